@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# The oracle stack is test-only: torch (CPU wheel), transformers, pillow, and NeMo AutoModel's V4.1
+# port installed with --no-deps because its pins conflict with ours.
+ORACLE := torch==2.13.0 "transformers>=5.18,<6" pillow
+NEMO := nemo-automodel==0.7.0
+
+.PHONY: demo test bench checkpoint clean
+
+$(VENV)/.runtime: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) install -e ".[test]" $(ORACLE)
+	$(PIP) install --no-deps $(NEMO)
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(PY) examples/forward.py
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/forward.py
+
+# Regenerate the shipped seeded random `small` checkpoint (deterministic).
+checkpoint: $(VENV)/.runtime
+	$(PY) -m deepinfer_jax.research.make_random_checkpoint checkpoints/small-random
+
+clean:
+	rm -rf $(VENV) .jax_cache .pytest_cache

@@ -1,0 +1,70 @@
+"""Checkpoints: DeepSeek-native Hugging Face directories in, the model's parameter state out.
+
+``params_from_state_dict`` and ``load_hf_checkpoint`` return the ``nnx.State`` that
+``forward_full`` takes; the tree-level functions they build on (``tensors_to_tree``,
+``load_hf_checkpoint_tree``) work on plain nested dicts of numpy arrays and never import the model,
+so the CLI (``python -m deepinfer_jax.checkpoint``) stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from deepinfer_jax.checkpoint.loader import CheckpointError, load_hf_checkpoint_tree, tensors_to_tree
+
+__all__ = ["CheckpointError", "load_hf_checkpoint", "params_from_state_dict", "load_params", "save_params"]
+
+
+def params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float32", token_map=None):
+    """The model's parameter state from DeepSeek-native tensors (FP8/FP4 decoded, experts stacked).
+
+    Missing, misshaped or unknown tensors raise one ``CheckpointError`` listing them all.
+    """
+    from deepinfer_jax.model.deepseek_v41 import params_from_tree
+
+    return params_from_tree(cfg, tensors_to_tree(cfg, tensors, dtype=np.float32), token_map=token_map,
+                            dtype=_jnp_dtype(dtype))
+
+
+def load_hf_checkpoint(path: str | Path, dtype="float32", progress: bool = True, token_map=None):
+    """``(ModelConfig, params)`` from a Hugging Face-format directory (config.json + safetensors).
+
+    Tensors are read lazily, one at a time, with a progress bar.
+    """
+    from deepinfer_jax.model.deepseek_v41 import params_from_tree
+
+    cfg, tree = load_hf_checkpoint_tree(path, dtype=np.float32, progress=progress)
+    return cfg, params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))
+
+
+def save_params(path: str | Path, cfg, params) -> None:
+    """Save converted parameters with orbax (plus config.json) for fast restores."""
+    from flax import nnx
+
+    from deepinfer_jax.checkpoint.orbax_io import save_tree
+
+    tree = nnx.to_pure_dict(params)
+    tree.pop("engram_token_map", None)
+    save_tree(path, _to_numpy(tree), cfg)
+
+
+def load_params(path: str | Path, dtype="float32", token_map=None):
+    """``(ModelConfig, params)`` restored from a directory written by ``save_params`` or the CLI."""
+    from deepinfer_jax.checkpoint.orbax_io import restore_tree
+    from deepinfer_jax.model.deepseek_v41 import params_from_tree
+
+    cfg, tree = restore_tree(path)
+    return cfg, params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))
+
+
+def _to_numpy(tree):
+    return {k: _to_numpy(v) if isinstance(v, Mapping) else np.asarray(v) for k, v in tree.items()}
+
+
+def _jnp_dtype(dtype):
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(dtype, dtype) if isinstance(dtype, str) else dtype

@@ -1,0 +1,100 @@
+"""Command line: convert a Hugging Face checkpoint to orbax, or inspect one.
+
+    python -m deepinfer_jax.checkpoint convert HF_DIR OUT_DIR [--dtype float32|bfloat16]
+    python -m deepinfer_jax.checkpoint inspect HF_DIR
+
+``convert`` reads tensors lazily one at a time (with a progress bar), decodes FP8/FP4, stacks
+experts and writes ``OUT_DIR/config.json`` + ``OUT_DIR/params`` (orbax). ``inspect`` prints the
+config summary and what the loader would do with every tensor; it exits 1 when the
+checkpoint does not match its config. Independent of the model code (tree functions only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from deepinfer_jax.checkpoint.loader import (
+    CheckpointError,
+    load_hf_checkpoint_tree,
+    plan_checkpoint,
+    read_hf_config,
+)
+from deepinfer_jax.checkpoint.orbax_io import PARAMS_DIR, save_tree
+from deepinfer_jax.checkpoint.safetensors_io import open_checkpoint
+
+
+def _convert(args: argparse.Namespace) -> int:
+    params = Path(args.out_dir) / PARAMS_DIR
+    if params.exists() and not args.overwrite:
+        print(f"{params} already exists; pass --overwrite to replace it", file=sys.stderr)
+        return 1
+    try:
+        cfg, tree = load_hf_checkpoint_tree(args.hf_dir, dtype=args.dtype, progress=not args.quiet)
+    except CheckpointError as e:
+        print(e, file=sys.stderr)
+        return 1
+    out = save_tree(args.out_dir, tree, cfg, overwrite=args.overwrite)
+    print(f"wrote {out} ({cfg.num_hidden_layers} layers, dtype {args.dtype})")
+    return 0
+
+
+def _skip_group(name: str) -> str:
+    head = name.split(".", 1)[0]
+    return "layers (past num_hidden_layers)" if head == "layers" else head
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    cfg = read_hf_config(args.hf_dir)
+    roles = Counter(cfg.layer_role(i).name for i in range(cfg.num_hidden_layers))
+    print(f"config: {args.hf_dir}/config.json")
+    print(f"  layers {cfg.num_hidden_layers}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+          f"heads {cfg.num_attention_heads}x{cfg.head_dim}, q_lora {cfg.q_lora_rank}, "
+          f"o_lora {cfg.o_groups}x{cfg.o_lora_rank}")
+    print(f"  experts {cfg.n_routed_experts} (top-{cfg.num_experts_per_tok}) + "
+          f"{cfg.n_shared_experts} shared, inter {cfg.moe_intermediate_size}; hc_mult {cfg.hc_mult}")
+    print(f"  roles {dict(sorted(roles.items()))}; engram layers {list(cfg.engram_layer_ids)}")
+    print(f"  quantization: weight_block_size {cfg.weight_block_size}, expert_dtype {cfg.expert_dtype}")
+    with open_checkpoint(args.hf_dir) as reader:
+        plan = plan_checkpoint(cfg, reader)
+        dtypes = Counter(str(reader.info(n).dtype) for n in reader)
+        nbytes = sum(reader.info(n).nbytes for n in reader)
+        quantized = sum(1 for partner in plan.load.values() if partner is not None)
+        print(f"tensors: {len(reader)} ({nbytes / 2**30:.3f} GiB)")
+        print(f"  backbone: {len(plan.load)} of {len(plan.expected)} expected loadable "
+              f"({quantized} quantized with {len(plan.scales)} scales)")
+        skipped = Counter(_skip_group(n) for n in plan.skipped)
+        print(f"  skipped: {len(plan.skipped)} {dict(sorted(skipped.items()))}")
+        print(f"  dtypes: {dict(sorted(dtypes.items()))}")
+        if not plan.ok:
+            print(plan.error(str(args.hf_dir)))
+            return 1
+    print("ok")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deepinfer_jax.checkpoint", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="Hugging Face safetensors -> orbax parameter tree")
+    conv.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    conv.add_argument("out_dir", help="output directory (config.json + params/)")
+    conv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="leaf dtype (mHC mixers, sinks and router biases stay float32)")
+    conv.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/params")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_convert)
+    insp = sub.add_parser("inspect", help="print the config summary and tensor counts")
+    insp.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    insp.set_defaults(func=_inspect)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""CSA2 attention over a full sequence: SWA window + selected compressed global entries + sink.
+
+Layer roles (model.md §3, §4.4): SWA layers attend to their own window only; FULL layers also
+compress global KV and own index keys; REINDEX layers re-select over their source's entries;
+REUSE layers take their index source's selection unchanged. Cross-layer state travels in
+``GlobalState`` from one layer to the next, exactly as the reference publishes it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepinfer_jax.config import LayerRole
+from deepinfer_jax.model.compressor import Compressor
+from deepinfer_jax.model.indexer import Indexer, candidate_pool, select_topk
+from deepinfer_jax.model.layers import Linear, RMSNorm
+from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_nvfp4
+from deepinfer_jax.model.rope import apply_rope, rope_angles, rope_frequencies
+
+
+class GlobalState(NamedTuple):
+    """Shared CSA2 tensors published by KV/index sources (None until a source has run).
+
+    global_kv [B, W, D] (RoPE'd, NVFP4); index_keys [B, W, hd]; topk [B, T, k] (ascending, -1 empty);
+    candidates [B, T, W] bool; ratio: tokens per entry of the current source.
+    """
+
+    global_kv: jax.Array | None = None
+    index_keys: jax.Array | None = None
+    topk: jax.Array | None = None
+    candidates: jax.Array | None = None
+    ratio: int = 0
+
+
+class Attention(nnx.Module):
+    """One CSA2 attention layer; parameter names follow the checkpoint (``layers.L.attn.*``)."""
+
+    def __init__(self, cfg, layer: int, *, rngs: nnx.Rngs):
+        std, d, eps = cfg.initializer_range, cfg.hidden_size, cfg.rms_norm_eps
+        self.layer = layer
+        self.ratio = cfg.compress_ratio(layer)
+        self.role = cfg.layer_role(layer)
+        self.n_heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.window = cfg.sliding_window
+        self.index_topk = cfg.index_topk
+        self.is_candidate_source = cfg.is_candidate_source(layer)
+        self.uses_candidates = cfg.uses_candidates(layer)
+        self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.fake_quant = cfg.fake_quant
+        self.freqs = tuple(float(f) for f in rope_frequencies(
+            cfg.qk_rope_head_dim, cfg.rope_theta_for(layer), cfg.rope_scaling_for(layer)))
+        hd = self.n_heads * self.head_dim
+        self.wq_a = Linear(d, cfg.q_lora_rank, rngs=rngs, std=std)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.wq_b = Linear(cfg.q_lora_rank, hd, rngs=rngs, std=std)
+        self.wkv = Linear(d, self.head_dim, rngs=rngs, std=std)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.wo_a = Linear(hd // self.groups, self.groups * cfg.o_lora_rank, rngs=rngs, std=std)
+        self.wo_b = Linear(self.groups * cfg.o_lora_rank, d, rngs=rngs, std=std)
+        self.attn_sink = nnx.Param(jnp.zeros((self.n_heads,), jnp.float32))
+        if self.role is LayerRole.FULL:
+            self.compressor = Compressor(d, self.head_dim, self.ratio, eps, rngs=rngs, std=std)
+        if self.role in (LayerRole.FULL, LayerRole.REINDEX):
+            self.indexer = Indexer(cfg, owns_keys=self.role is LayerRole.FULL, rngs=rngs)
+
+    # -- pieces shared with the paged/incremental path -------------------------------------
+    def angles(self, positions: jax.Array) -> jax.Array:
+        return rope_angles(positions, jnp.asarray(self.freqs, jnp.float32))
+
+    def query(self, x_BTd: jax.Array, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q_lat [B, T, q_lora], q [B, T, H, D] with RoPE on the last rope dims)."""
+        b, t, _ = x_BTd.shape
+        q_lat = self.q_norm(self.wq_a(x_BTd))
+        q = apply_rope(self.wq_b(q_lat).reshape(b, t, self.n_heads, self.head_dim), angles)
+        return q_lat, q
+
+    def window_kv(self, x_BTd: jax.Array, angles: jax.Array) -> jax.Array:
+        """SWA KV rows [B, T, D] (K = V): RoPE(kv_norm(x . wkv)), FP8 fake-quantised."""
+        kv = apply_rope(self.kv_norm(self.wkv(x_BTd)), angles)
+        return fake_quant_fp8(kv) if self.fake_quant else kv
+
+    def global_kv(self, latent_BWD: jax.Array, angles_BWP: jax.Array) -> jax.Array:
+        kv = apply_rope(latent_BWD, angles_BWP)
+        return fake_quant_nvfp4(kv) if self.fake_quant else kv
+
+    def output(self, o_BTHD: jax.Array, angles: jax.Array) -> jax.Array:
+        """Inverse RoPE on o, then grouped O-LoRA: [B, T, H, D] -> [B, T, d]."""
+        b, t = o_BTHD.shape[:2]
+        o = apply_rope(o_BTHD, angles, inverse=True).reshape(b, t, self.groups, -1)
+        wa = self.wo_a.weight[...].reshape(self.groups, -1, o.shape[-1])
+        u = jnp.einsum("btgi,goi->btgo", o, wa.astype(o.dtype)).reshape(b, t, -1)
+        return self.wo_b(u)
+
+    # -- full-sequence forward ----------------------------------------------------------------
+    def __call__(self, x_BTd: jax.Array, state: GlobalState) -> tuple[jax.Array, GlobalState]:
+        """Attention for every position of a sequence starting at position 0; returns (out, state)."""
+        b, t, _ = x_BTd.shape
+        pos = jnp.arange(t)
+        angles = jnp.broadcast_to(self.angles(pos), (b, t, len(self.freqs)))
+        q_lat, q = self.query(x_BTd, angles)
+        kv = self.window_kv(x_BTd, angles)
+        # window: keys max(0, t - window + 1) .. t
+        rel = pos[:, None] - pos[None, :]
+        allowed = (rel >= 0) & (rel < self.window)
+        scale = self.head_dim**-0.5
+        logits = jnp.einsum("bthd,bsd->bhts", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
+        logits = jnp.where(allowed, logits, -jnp.inf)
+        values = kv
+        if self.ratio:
+            state = self._global(x_BTd, q_lat, angles, state)
+            w = state.global_kv.shape[1]
+            topk = state.topk
+            picked = jax.vmap(jax.vmap(lambda row: jnp.zeros((w + 1,), bool).at[jnp.where(row >= 0, row, w)]
+                                       .set(True)[:w]))(topk)
+            g_logits = jnp.einsum("bthd,bwd->bhtw", q.astype(jnp.float32),
+                                  state.global_kv.astype(jnp.float32)) * scale
+            logits = jnp.concatenate([logits, jnp.where(picked[:, None], g_logits, -jnp.inf)], axis=-1)
+            values = jnp.concatenate([kv, state.global_kv.astype(kv.dtype)], axis=1)
+        sink = jnp.broadcast_to(self.attn_sink[...].astype(jnp.float32)[None, :, None, None], (b, self.n_heads, t, 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+        o = jnp.einsum("bhts,bsd->bthd", probs, values.astype(jnp.float32)).astype(x_BTd.dtype)
+        return self.output(o, angles), state
+
+    def _global(self, x_BTd, q_lat, angles, state: GlobalState) -> GlobalState:
+        """Publish (FULL) or consume (REINDEX/REUSE) the compressed entries and the selection."""
+        b, t, _ = x_BTd.shape
+        r = self.ratio
+        w = t // r
+        c_angles = jnp.broadcast_to(self.angles(jnp.arange(w) * r), (b, w, len(self.freqs)))
+        if self.role is LayerRole.FULL:
+            latent = self.compressor(x_BTd)
+            state = GlobalState(global_kv=self.global_kv(latent, c_angles),
+                                index_keys=self.indexer.keys(latent, c_angles),
+                                candidates=state.candidates, ratio=r)
+        elif state.global_kv is None or state.ratio != r:
+            raise ValueError(f"layer {self.layer} needs a preceding KV source with compress ratio {r}")
+        if self.role in (LayerRole.FULL, LayerRole.REINDEX) and w == 0:
+            state = state._replace(topk=jnp.zeros((b, t, 0), jnp.int32),
+                                   candidates=jnp.zeros((b, t, 0), bool) if self.is_candidate_source
+                                   else state.candidates)
+        elif self.role in (LayerRole.FULL, LayerRole.REINDEX):
+            n_visible = jnp.broadcast_to((jnp.arange(t) + 1) // r, (b, t))
+            visible = jnp.arange(w) < n_visible[..., None]
+            scores = self.indexer.scores(x_BTd, q_lat, angles, state.index_keys, visible)
+            candidates = state.candidates
+            if self.is_candidate_source:
+                candidates = candidate_pool(scores, n_visible, self.candidate_blocks,
+                                            self.candidate_block_size) & visible
+            elif self.uses_candidates:
+                scores = jnp.where(candidates, scores, -jnp.inf)
+            state = state._replace(topk=select_topk(scores, self.index_topk), candidates=candidates)
+        return state

@@ -1,0 +1,188 @@
+"""The DeepSeek-V4.1 stack and its pure entry points (model.md §3-§4).
+
+``DeepseekV41`` declares the model with Flax NNX; its parameter tree mirrors the checkpoint's
+DeepSeek-native names (``layers.2.attn.wq_a.weight`` lives at ``state['layers'][2]['attn']['wq_a']
+['weight']``), except that routed experts are stacked (``ffn.experts.w1`` [E, inter, d]).
+The engine never calls the module statefully: ``forward_full(params, cfg, token_ids)`` merges the
+cached graph definition with a state pytree inside the trace, so it is a pure function under jit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from deepinfer_jax.model import mhc
+from deepinfer_jax.model.attention import Attention, GlobalState
+from deepinfer_jax.model.engram import Engram, Table
+from deepinfer_jax.model.engram_hash import ngram_hash_ids
+from deepinfer_jax.engram_vocab import hash_constants  # TODO: move to a device-neutral module
+from deepinfer_jax.model.layers import Linear, RMSNorm
+from deepinfer_jax.model.moe import MoE
+
+
+class Buffer(nnx.Variable):
+    """Derived, non-trainable state carried with the parameters (e.g. the Engram token map)."""
+
+
+class Block(nnx.Module):
+    """One layer: optional Engram write, then the attention and FFN sites with single-pass mHC."""
+
+    def __init__(self, cfg, layer: int, *, rngs: nnx.Rngs):
+        n, d, std = cfg.hc_mult, cfg.hidden_size, cfg.initializer_range
+        self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.engram_index = cfg.engram_index(layer)
+        if self.engram_index is not None:
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index], rngs=rngs)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nnx.Param(jax.random.normal(rngs.params(), (n * (n + 2), n * d)) * std))
+            setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((n * (n + 2),), jnp.float32)))
+            setattr(self, f"hc_{site}_scale", nnx.Param(jnp.ones((3,), jnp.float32)))
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.ffn = MoE(cfg, rngs=rngs)
+
+    def mix(self, site: str, streams: jax.Array) -> mhc.Mix:
+        return mhc.hc_mix(streams, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_base")[...],
+                          getattr(self, f"hc_{site}_scale")[...], iters=self.iters, hc_eps=self.hc_eps,
+                          norm_eps=self.eps)
+
+    def __call__(self, streams, pre, state: GlobalState, engram_rows=None):
+        """streams [B, T, n, d], pre [B, T, n] (fp32) -> (streams, pre, state)."""
+        if self.engram_index is not None:
+            streams = self.engram(streams, engram_rows[:, :, self.engram_index])
+        attn_mix = self.mix("attn", streams)
+        out, state = self.attn(self.attn_norm(mhc.collapse(streams, pre)), state)
+        streams = mhc.expand(out, streams, attn_mix)
+        ffn_mix = self.mix("ffn", streams)
+        out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre)))
+        streams = mhc.expand(out, streams, ffn_mix)
+        return streams, ffn_mix.pre, state
+
+
+class DeepseekV41(nnx.Module):
+    """Embedding, ``num_hidden_layers`` blocks, final collapse, ``norm`` and the fp32 ``head``."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Table(cfg.vocab_size, cfg.hidden_size, rngs=rngs, std=cfg.initializer_range)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, std=cfg.initializer_range)
+        if cfg.engram_layer_ids:
+            self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32))
+
+    def engram_rows(self, token_ids_BT: jax.Array) -> jax.Array | None:
+        cfg = self.cfg
+        if not cfg.engram_layer_ids:
+            return None
+        return ngram_hash_ids(token_ids_BT, self.engram_token_map[...], hash_constants(cfg),
+                              max_ngram=cfg.engram_max_ngram_size, pad_token_id=cfg.engram_pad_token_id)
+
+    def __call__(self, token_ids_BT: jax.Array) -> jax.Array:
+        """Logits [B, T, V] in fp32 for every position of sequences that start at position 0."""
+        cfg = self.cfg
+        x = self.embed(token_ids_BT)
+        b, t = token_ids_BT.shape
+        streams = jnp.broadcast_to(x[:, :, None, :], (b, t, cfg.hc_mult, cfg.hidden_size))
+        pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+        rows = self.engram_rows(token_ids_BT)
+        state = GlobalState()
+        for block in self.layers:
+            streams, pre, state = block(streams, pre, state, rows)
+        h = self.norm(mhc.collapse(streams, pre))
+        return jnp.einsum("btd,vd->btv", h.astype(jnp.float32), self.head.weight[...].astype(jnp.float32))
+
+
+@functools.lru_cache(maxsize=32)
+def _graphdef(cfg):
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0))))
+    return graphdef
+
+
+def init_params(cfg, seed: int = 0) -> nnx.State:
+    """A seeded random parameter state (normal(initializer_range) matrices, unit norms, zero biases)."""
+    _, state = nnx.split(DeepseekV41(cfg, rngs=nnx.Rngs(seed)))
+    return state
+
+
+def abstract_params(cfg) -> nnx.State:
+    """The parameter state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), allocating nothing."""
+    _, state = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0))))
+    return state
+
+
+def forward_full(params: nnx.State, cfg, token_ids: jax.Array) -> jax.Array:
+    """Pure full-sequence forward: ``token_ids`` [B, T] int -> logits [B, T, V] fp32.
+
+    ``cfg`` must be passed as a static argument under ``jax.jit``.
+    """
+    model = nnx.merge(_graphdef(cfg), params)
+    return model(jnp.asarray(token_ids, jnp.int32))
+
+
+def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None,
+                     dtype=jnp.float32) -> nnx.State:
+    """The parameter state from a nested pure dict of arrays laid out like the state (checkpoint names).
+
+    ``token_map`` is the Engram compressed-id map [vocab]; by default the identity for configs whose
+    compressed vocabulary equals the vocabulary, else the real DeepSeek tokenizer's map.
+    """
+    state = abstract_params(cfg)
+    pure = dict(tree)
+    if cfg.engram_layer_ids:
+        if token_map is None:
+            from deepinfer_jax.engram_vocab import default_token_map  # host data, loaded once per call
+
+            token_map = default_token_map(cfg)
+        pure["engram_token_map"] = np.asarray(token_map, np.int32)
+    expected = nnx.to_pure_dict(state)
+    flat_expected = dict(_flatten(expected))
+    flat_given = dict(_flatten(pure))
+    problems = [f"missing {k}" for k in flat_expected.keys() - flat_given.keys()]
+    problems += [f"unexpected {k}" for k in flat_given.keys() - flat_expected.keys()]
+    problems += [f"{k}: shape {tuple(np.shape(flat_given[k]))} != {tuple(v.shape)}" for k, v in flat_expected.items()
+                 if k in flat_given and tuple(np.shape(flat_given[k])) != tuple(v.shape)]
+    if problems:
+        raise ValueError("parameter tree does not match the config: " + "; ".join(sorted(problems)))
+
+    def convert(path, leaf):
+        arr = flat_given[path]
+        if np.issubdtype(np.asarray(arr).dtype, np.integer):
+            return jnp.asarray(arr)
+        is_fp32 = path.split(".")[-1] in _FP32_LEAVES or path.endswith("attn_sink")
+        return jnp.asarray(arr, jnp.float32 if is_fp32 else dtype)
+
+    values = {k: convert(k, v) for k, v in flat_expected.items()}
+    nnx.replace_by_pure_dict(state, _unflatten(values))
+    return state
+
+
+_FP32_LEAVES = {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                "bias", "bias_vl"}
+
+
+def _flatten(tree, prefix=""):
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v
+
+
+def _unflatten(flat: Mapping[str, object]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        parts = [int(p) if p.isdigit() else p for p in key.split(".")]
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out

@@ -1,0 +1,96 @@
+"""Mixture of experts with the sqrt-softplus router and a shared expert (model.md §4.6).
+
+Router in fp32: ``s = sqrt(softplus(x . W_g^T))``; top-k of ``s + bias`` selects (the bias never
+weighs); weights are ``s`` at the selected experts, renormalised, times ``routed_scaling_factor``.
+Experts are clamped SwiGLU. This dense formulation evaluates every expert on every token and
+zero-weights the unselected ones: exact, and cheap at the small expert counts that run on CPU;
+the grouped-matmul kernel path replaces it where it matters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepinfer_jax.model.layers import Linear
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """``silu(min(gate, limit)) * clip(up, -limit, limit)`` in fp32 (no clamp when limit <= 0)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def route(logits_NE: jax.Array, bias_E: jax.Array, k: int, scale: float, renormalize: bool):
+    """(weights [N, k] fp32, expert ids [N, k]) from fp32 router logits."""
+    s = jnp.sqrt(jax.nn.softplus(logits_NE.astype(jnp.float32)))
+    _, ids = jax.lax.top_k(s + bias_E.astype(jnp.float32), k)
+    w = jnp.take_along_axis(s, ids, axis=-1)
+    if renormalize and k > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * scale, ids
+
+
+class Gate(nnx.Module):
+    """``ffn.gate.weight`` [E, d], ``ffn.gate.bias`` [E] (selection only), ``ffn.gate.bias_vl`` [E] (image tokens)."""
+
+    def __init__(self, d: int, n_experts: int, *, rngs: nnx.Rngs, std: float):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (n_experts, d)) * std)
+        self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
+        self.bias_vl = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked over the expert axis: w1/w3 [E, inter, d], w2 [E, d, inter]."""
+
+    def __init__(self, d: int, inter: int, n_experts: int, *, rngs: nnx.Rngs, std: float):
+        normal = lambda shape: nnx.Param(jax.random.normal(rngs.params(), shape) * std)  # noqa: E731
+        self.w1 = normal((n_experts, inter, d))
+        self.w3 = normal((n_experts, inter, d))
+        self.w2 = normal((n_experts, d, inter))
+
+
+class MLP(nnx.Module):
+    """The shared expert: ``w1``/``w3`` [inter, d], ``w2`` [d, inter]."""
+
+    def __init__(self, d: int, inter: int, limit: float, *, rngs: nnx.Rngs, std: float):
+        self.limit = limit
+        self.w1 = Linear(d, inter, rngs=rngs, std=std)
+        self.w3 = Linear(d, inter, rngs=rngs, std=std)
+        self.w2 = Linear(inter, d, rngs=rngs, std=std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).astype(x.dtype))
+
+
+class MoE(nnx.Module):
+    """``layers.L.ffn``: gate, routed experts and the shared expert."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, n_experts: int | None = None, top_k: int | None = None):
+        std, d, inter = cfg.initializer_range, cfg.hidden_size, cfg.moe_intermediate_size
+        n_experts = n_experts or cfg.n_routed_experts
+        self.top_k = top_k or cfg.num_experts_per_tok
+        self.limit = cfg.swiglu_limit
+        self.scale = cfg.routed_scaling_factor
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = Gate(d, n_experts, rngs=rngs, std=std)
+        self.experts = Experts(d, inter, n_experts, rngs=rngs, std=std)
+        self.shared_experts = MLP(d, inter, self.limit, rngs=rngs, std=std)
+
+    def __call__(self, x_BTd: jax.Array) -> jax.Array:
+        shape = x_BTd.shape
+        x = x_BTd.reshape(-1, shape[-1])
+        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
+        w, ids = route(logits, self.gate.bias[...], self.top_k, self.scale, self.renormalize)
+        n_experts = logits.shape[-1]
+        combine = jnp.zeros((x.shape[0], n_experts), jnp.float32)
+        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)
+        h = swiglu(jnp.einsum("nd,eid->nei", x, self.experts.w1[...].astype(x.dtype)),
+                   jnp.einsum("nd,eid->nei", x, self.experts.w3[...].astype(x.dtype)), self.limit)
+        h = (h * combine[..., None]).astype(x.dtype)
+        y = jnp.einsum("nei,edi->nd", h, self.experts.w2[...].astype(x.dtype)).astype(jnp.float32)
+        y = y + self.shared_experts(x).astype(jnp.float32)
+        return y.astype(x_BTd.dtype).reshape(shape)
