@@ -30,9 +30,9 @@ def synthetic_tokenizer(vocab_size: int):
 def build_nemo(hf_config: dict, seed: int, output_scale: float = 1.0):
     """NeMo model in fp32/eval from a published-layout nested config dict.
 
-    ``output_scale`` multiplies every sublayer's output projection (attn ``wo_b``, expert ``w2``,
-    Engram value rows) so that rounding-level differences cannot cascade into a different
-    quantisation bin or routing decision downstream.
+    ``output_scale`` multiplies every sublayer's output projection (attention ``wo_b``, routed and
+    shared expert ``w2``) so that a rounding-level difference that flips one fake-quant bin cannot
+    cascade into a visible logit difference downstream.
     """
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -46,7 +46,7 @@ def build_nemo(hf_config: dict, seed: int, output_scale: float = 1.0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Non-trivial norms, sinks, biases and mHC offsets so that every parameter matters.
-            if name.endswith("norm.weight") or name.endswith("k_norm.weight"):
+            if name.endswith(("norm.weight", "_hc.scale", "engram.q_weight", "engram.k_weight")):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif "sinks_param" in name or name.endswith(".base"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))

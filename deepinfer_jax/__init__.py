@@ -1,0 +1,15 @@
+"""deepinfer-jax: DeepSeek's DeepInfer engine for the DeepSeek-V4.1-Flash architecture, in JAX."""
+
+from deepinfer_jax.checkpoint import CheckpointError, load_hf_checkpoint, params_from_state_dict
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model.deepseek_v41 import forward_full, init_params
+
+__all__ = [
+    "CheckpointError",
+    "ModelConfig",
+    "forward_full",
+    "init_params",
+    "load_hf_checkpoint",
+    "params_from_state_dict",
+]
+__version__ = "0.1.0"
