@@ -31,7 +31,7 @@ bench: $(VENV)/.test
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime
-	$(PY) -m deepinfer_jax.research.make_random_checkpoint checkpoints/small-random
+	$(PY) -m deepinfer_jax.checkpoint.make_random checkpoints/small-random --preset small --seed 0
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache

@@ -2,7 +2,8 @@
 
 from deepinfer_jax.checkpoint import CheckpointError, load_hf_checkpoint, params_from_state_dict
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.model.deepseek_v41 import forward_full, init_params
+from deepinfer_jax.model.deepseek_v41 import forward_full
+from deepinfer_jax.params import init_params
 
 __all__ = [
     "CheckpointError",

@@ -23,7 +23,7 @@ def params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float3
 
     Missing, misshaped or unknown tensors raise one ``CheckpointError`` listing them all.
     """
-    from deepinfer_jax.model.deepseek_v41 import params_from_tree
+    from deepinfer_jax.params import params_from_tree
 
     return params_from_tree(cfg, tensors_to_tree(cfg, tensors, dtype=np.float32), token_map=token_map,
                             dtype=_jnp_dtype(dtype))
@@ -34,7 +34,7 @@ def load_hf_checkpoint(path: str | Path, dtype="float32", progress: bool = True,
 
     Tensors are read lazily, one at a time, with a progress bar.
     """
-    from deepinfer_jax.model.deepseek_v41 import params_from_tree
+    from deepinfer_jax.params import params_from_tree
 
     cfg, tree = load_hf_checkpoint_tree(path, dtype=np.float32, progress=progress)
     return cfg, params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))
@@ -54,7 +54,7 @@ def save_params(path: str | Path, cfg, params) -> None:
 def load_params(path: str | Path, dtype="float32", token_map=None):
     """``(ModelConfig, params)`` restored from a directory written by ``save_params`` or the CLI."""
     from deepinfer_jax.checkpoint.orbax_io import restore_tree
-    from deepinfer_jax.model.deepseek_v41 import params_from_tree
+    from deepinfer_jax.params import params_from_tree
 
     cfg, tree = restore_tree(path)
     return cfg, params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))

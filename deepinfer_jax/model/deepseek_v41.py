@@ -106,9 +106,14 @@ def _graphdef(cfg):
     return graphdef
 
 
-def init_params(cfg, seed: int = 0) -> nnx.State:
-    """A seeded random parameter state (normal(initializer_range) matrices, unit norms, zero biases)."""
+def init_params(cfg, seed: int = 0, token_map: np.ndarray | None = None) -> nnx.State:
+    """A seeded random parameter state (normal(initializer_range) matrices, unit norms, zero biases).
+
+    The Engram token map is the identity unless ``token_map`` is given.
+    """
     _, state = nnx.split(DeepseekV41(cfg, rngs=nnx.Rngs(seed)))
+    if token_map is not None and cfg.engram_layer_ids:
+        state["engram_token_map"][...] = jnp.asarray(token_map, jnp.int32)
     return state
 
 
@@ -121,26 +126,36 @@ def abstract_params(cfg) -> nnx.State:
 def forward_full(params: nnx.State, cfg, token_ids: jax.Array) -> jax.Array:
     """Pure full-sequence forward: ``token_ids`` [B, T] int -> logits [B, T, V] fp32.
 
-    ``cfg`` must be passed as a static argument under ``jax.jit``.
+    ``cfg`` must be passed as a static argument under ``jax.jit``. Concrete (non-traced) inputs
+    are validated: a 2-D integer array with every id in ``[0, vocab_size)``, else ``ValueError``.
     """
+    if not isinstance(token_ids, jax.core.Tracer):
+        _check_token_ids(np.asarray(token_ids), cfg.vocab_size)
     model = nnx.merge(_graphdef(cfg), params)
     return model(jnp.asarray(token_ids, jnp.int32))
+
+
+def _check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"token_ids must have shape [batch, seq_len] with seq_len >= 1, got {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token_ids must lie in [0, {vocab_size}); got min {ids.min()}, max {ids.max()}")
 
 
 def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None,
                      dtype=jnp.float32) -> nnx.State:
     """The parameter state from a nested pure dict of arrays laid out like the state (checkpoint names).
 
-    ``token_map`` is the Engram compressed-id map [vocab]; by default the identity for configs whose
-    compressed vocabulary equals the vocabulary, else the real DeepSeek tokenizer's map.
+    ``token_map`` is the Engram compressed-id map [vocab], required when the config has Engram
+    layers (``deepinfer_jax.params`` supplies the tokenizer-derived default).
     """
     state = abstract_params(cfg)
     pure = dict(tree)
     if cfg.engram_layer_ids:
         if token_map is None:
-            from deepinfer_jax.engram_vocab import default_token_map  # host data, loaded once per call
-
-            token_map = default_token_map(cfg)
+            raise ValueError("token_map (the Engram compressed-id map) is required for a config with Engram layers")
         pure["engram_token_map"] = np.asarray(token_map, np.int32)
     expected = nnx.to_pure_dict(state)
     flat_expected = dict(_flatten(expected))

@@ -1,0 +1,39 @@
+"""Parameter states for a config: the bridge between checkpoint data and the model's state.
+
+The model's state carries one derived, non-checkpoint array: the Engram compressed-id map, which
+for the real vocabulary comes from the tokenizer (host data). These wrappers attach it, so that
+``init_params`` and the loaders always return a state ready for ``forward_full``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from deepinfer_jax.engram_vocab import default_token_map
+from deepinfer_jax.model import deepseek_v41 as _model
+
+
+def engram_token_map(cfg, token_map: np.ndarray | None = None) -> np.ndarray | None:
+    """``token_map`` if given, else the config's default (identity or the DeepSeek tokenizer's map)."""
+    if not cfg.engram_layer_ids:
+        return None
+    if token_map is None:
+        return default_token_map(cfg)
+    token_map = np.asarray(token_map)
+    if token_map.shape != (cfg.vocab_size,) or token_map.min() < 0 or token_map.max() >= cfg.engram_compressed_vocab_size:
+        raise ValueError(f"token_map must have shape ({cfg.vocab_size},) with ids in "
+                         f"[0, {cfg.engram_compressed_vocab_size}) (engram_compressed_vocab_size)")
+    return token_map
+
+
+def init_params(cfg, seed: int = 0, token_map: np.ndarray | None = None):
+    """Seeded random parameters for ``cfg`` (an ``nnx.State``), with the Engram map attached."""
+    return _model.init_params(cfg, seed, token_map=engram_token_map(cfg, token_map))
+
+
+def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None, dtype=None):
+    """The parameter state from a nested dict laid out like the checkpoint names (experts stacked)."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return _model.params_from_tree(cfg, tree, token_map=engram_token_map(cfg, token_map), **kwargs)
