@@ -97,33 +97,28 @@ class Attention(nnx.Module):
 
     # -- full-sequence forward ----------------------------------------------------------------
     def __call__(self, x_BTd: jax.Array, state: GlobalState) -> tuple[jax.Array, GlobalState]:
-        """Attention for every position of a sequence starting at position 0; returns (out, state)."""
+        """Attention for every position of a sequence starting at position 0; returns (out, state).
+
+        Sparse by construction: each query gathers its ``window`` SWA rows and its ``index_topk``
+        selected global entries, so the cost is O(T * (window + k)), not O(T^2).
+        """
         b, t, _ = x_BTd.shape
         pos = jnp.arange(t)
         angles = jnp.broadcast_to(self.angles(pos), (b, t, len(self.freqs)))
         q_lat, q = self.query(x_BTd, angles)
         kv = self.window_kv(x_BTd, angles)
-        # window: keys max(0, t - window + 1) .. t
-        rel = pos[:, None] - pos[None, :]
-        allowed = (rel >= 0) & (rel < self.window)
-        scale = self.head_dim**-0.5
-        logits = jnp.einsum("bthd,bsd->bhts", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
-        logits = jnp.where(allowed, logits, -jnp.inf)
-        values = kv
+        w = min(self.window, t)
+        rows = pos[:, None] - (w - 1) + jnp.arange(w)  # [T, w]: keys max(0, t - window + 1) .. t
+        keys = [jnp.take(kv, jnp.maximum(rows, 0), axis=1)]  # [B, T, w, D]
+        valid = [jnp.broadcast_to(rows >= 0, (b, t, w))]
         if self.ratio:
             state = self._global(x_BTd, q_lat, angles, state)
-            w = state.global_kv.shape[1]
-            topk = state.topk
-            picked = jax.vmap(jax.vmap(lambda row: jnp.zeros((w + 1,), bool).at[jnp.where(row >= 0, row, w)]
-                                       .set(True)[:w]))(topk)
-            g_logits = jnp.einsum("bthd,bwd->bhtw", q.astype(jnp.float32),
-                                  state.global_kv.astype(jnp.float32)) * scale
-            logits = jnp.concatenate([logits, jnp.where(picked[:, None], g_logits, -jnp.inf)], axis=-1)
-            values = jnp.concatenate([kv, state.global_kv.astype(kv.dtype)], axis=1)
-        sink = jnp.broadcast_to(self.attn_sink[...].astype(jnp.float32)[None, :, None, None], (b, self.n_heads, t, 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-        o = jnp.einsum("bhts,bsd->bthd", probs, values.astype(jnp.float32)).astype(x_BTd.dtype)
-        return self.output(o, angles), state
+            sel = state.topk  # [B, T, k], -1 = empty slot
+            gathered = jax.vmap(lambda g, i: jnp.take(g, jnp.maximum(i, 0), axis=0))(state.global_kv, sel)
+            keys.append(gathered.astype(kv.dtype))
+            valid.append(sel >= 0)
+        return self.output(attend(q, jnp.concatenate(keys, 2), jnp.concatenate(valid, 2), self.attn_sink[...]),
+                           angles), state
 
     def _global(self, x_BTd, q_lat, angles, state: GlobalState) -> GlobalState:
         """Publish (FULL) or consume (REINDEX/REUSE) the compressed entries and the selection."""
@@ -154,3 +149,19 @@ class Attention(nnx.Module):
                 scores = jnp.where(candidates, scores, -jnp.inf)
             state = state._replace(topk=select_topk(scores, self.index_topk), candidates=candidates)
         return state
+
+
+def attend(q_BTHD: jax.Array, kv_BTSD: jax.Array, valid_BTS: jax.Array, sink_H: jax.Array) -> jax.Array:
+    """Sink attention of each query over its own gathered keys (K = V).
+
+    q [B, T, H, D]; kv [B, T, S, D] (the S keys of each query); valid [B, T, S]; sink [H].
+    One softmax over the valid keys plus a zero-valued sink key whose logit is ``sink[h]``;
+    scale ``1/sqrt(D)``. Returns o [B, T, H, D] in q's dtype (fp32 math).
+    """
+    d = q_BTHD.shape[-1]
+    kv = kv_BTSD.astype(jnp.float32)
+    logits = jnp.einsum("bthd,btsd->bths", q_BTHD.astype(jnp.float32), kv) * d**-0.5
+    logits = jnp.where(valid_BTS[:, :, None, :], logits, -jnp.inf)
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bths,btsd->bthd", probs, kv).astype(q_BTHD.dtype)
