@@ -78,14 +78,15 @@ class Attention(nnx.Module):
         q = apply_rope(self.wq_b(q_lat).reshape(b, t, self.n_heads, self.head_dim), angles)
         return q_lat, q
 
-    def window_kv(self, x_BTd: jax.Array, angles: jax.Array) -> jax.Array:
-        """SWA KV rows [B, T, D] (K = V): RoPE(kv_norm(x . wkv)), FP8 fake-quantised."""
+    def window_kv(self, x_BTd: jax.Array, angles: jax.Array, raw: bool = False) -> jax.Array:
+        """SWA KV rows [B, T, D] (K = V): RoPE(kv_norm(x . wkv)), FP8 fake-quantised unless ``raw``."""
         kv = apply_rope(self.kv_norm(self.wkv(x_BTd)), angles)
-        return fake_quant_fp8(kv) if self.fake_quant else kv
+        return fake_quant_fp8(kv) if self.fake_quant and not raw else kv
 
-    def global_kv(self, latent_BWD: jax.Array, angles_BWP: jax.Array) -> jax.Array:
+    def global_kv(self, latent_BWD: jax.Array, angles_BWP: jax.Array, raw: bool = False) -> jax.Array:
+        """Main global KV entries: RoPE(latent) at each entry's first position, NVFP4 unless ``raw``."""
         kv = apply_rope(latent_BWD, angles_BWP)
-        return fake_quant_nvfp4(kv) if self.fake_quant else kv
+        return fake_quant_nvfp4(kv) if self.fake_quant and not raw else kv
 
     def output(self, o_BTHD: jax.Array, angles: jax.Array) -> jax.Array:
         """Inverse RoPE on o, then grouped O-LoRA: [B, T, H, D] -> [B, T, d]."""
@@ -107,14 +108,17 @@ class Attention(nnx.Module):
         angles = jnp.broadcast_to(self.angles(pos), (b, t, len(self.freqs)))
         q_lat, q = self.query(x_BTd, angles)
         kv = self.window_kv(x_BTd, angles)
-        w = min(self.window, t)
+        w = self.window  # always the full window (masked), so the paged step sees the same row shapes
         rows = pos[:, None] - (w - 1) + jnp.arange(w)  # [T, w]: keys max(0, t - window + 1) .. t
         keys = [jnp.take(kv, jnp.maximum(rows, 0), axis=1)]  # [B, T, w, D]
         valid = [jnp.broadcast_to(rows >= 0, (b, t, w))]
         if self.ratio:
             state = self._global(x_BTd, q_lat, angles, state)
             sel = state.topk  # [B, T, k], -1 = empty slot
-            gathered = jax.vmap(lambda g, i: jnp.take(g, jnp.maximum(i, 0), axis=0))(state.global_kv, sel)
+            if state.global_kv.shape[1] == 0:
+                gathered = jnp.zeros((*sel.shape, kv.shape[-1]), kv.dtype)
+            else:
+                gathered = jax.vmap(lambda g, i: jnp.take(g, jnp.maximum(i, 0), axis=0))(state.global_kv, sel)
             keys.append(gathered.astype(kv.dtype))
             valid.append(sel >= 0)
         return self.output(attend(q, jnp.concatenate(keys, 2), jnp.concatenate(valid, 2), self.attn_sink[...]),
@@ -134,7 +138,7 @@ class Attention(nnx.Module):
         elif state.global_kv is None or state.ratio != r:
             raise ValueError(f"layer {self.layer} needs a preceding KV source with compress ratio {r}")
         if self.role in (LayerRole.FULL, LayerRole.REINDEX) and w == 0:
-            state = state._replace(topk=jnp.zeros((b, t, 0), jnp.int32),
+            state = state._replace(topk=jnp.full((b, t, self.index_topk), -1, jnp.int32),
                                    candidates=jnp.zeros((b, t, 0), bool) if self.is_candidate_source
                                    else state.candidates)
         elif self.role in (LayerRole.FULL, LayerRole.REINDEX):
@@ -159,7 +163,7 @@ def attend(q_BTHD: jax.Array, kv_BTSD: jax.Array, valid_BTS: jax.Array, sink_H: 
     scale ``1/sqrt(D)``. Returns o [B, T, H, D] in q's dtype (fp32 math).
     """
     d = q_BTHD.shape[-1]
-    kv = kv_BTSD.astype(jnp.float32)
+    kv = jnp.where(valid_BTS[..., None], kv_BTSD.astype(jnp.float32), 0.0)  # never let a stale row leak
     logits = jnp.einsum("bthd,btsd->bths", q_BTHD.astype(jnp.float32), kv) * d**-0.5
     logits = jnp.where(valid_BTS[:, :, None, :], logits, -jnp.inf)
     sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits.shape[:-1], 1))

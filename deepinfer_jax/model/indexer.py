@@ -9,6 +9,8 @@ Tie rule: among equal scores the lowest entry index wins (``jax.lax.top_k`` orde
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,47 +34,65 @@ class Indexer(nnx.Module):
             self.wk = Linear(cfg.head_dim, self.head_dim, rngs=rngs, std=std)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def _q(self, x: jax.Array) -> jax.Array:
-        return fake_quant_mxfp4(x) if self.fake_quant else x
+    def _q(self, x: jax.Array, raw: bool = False) -> jax.Array:
+        return fake_quant_mxfp4(x) if self.fake_quant and not raw else x
 
-    def keys(self, latent_BWD: jax.Array, angles_BWP: jax.Array) -> jax.Array:
-        """Index keys [B, W, hd] of the global entries: RoPE(k_norm(latent . wk)), MXFP4."""
-        return self._q(apply_rope(self.k_norm(self.wk(latent_BWD)), angles_BWP))
+    def keys(self, latent: jax.Array, angles: jax.Array, raw: bool = False) -> jax.Array:
+        """Index keys [..., W, hd] of global entries: RoPE(k_norm(latent . wk)), MXFP4 unless ``raw``."""
+        return self._q(apply_rope(self.k_norm(self.wk(latent)), angles), raw)
 
-    def scores(self, x_BTd, q_lat_BTq, angles_BTP, keys_BWk, visible_BTW) -> jax.Array:
-        """``score[t, j] = sum_h w[t, h] * relu(qi[t, h] . K_j)``; invisible entries get -inf. fp32 [B, T, W]."""
+    def query(self, x_BTd, q_lat_BTq, angles_BTP) -> tuple[jax.Array, jax.Array]:
+        """(index queries [B, T, nh, hd] (MXFP4), head weights [B, T, nh] fp32)."""
         b, t, _ = x_BTd.shape
         q = self.wq_b(q_lat_BTq).reshape(b, t, self.n_heads, self.head_dim)
         q = self._q(apply_rope(q, angles_BTP))
         w = self.weights_proj(x_BTd) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, w.astype(jnp.float32)
+
+    def scores(self, x_BTd, q_lat_BTq, angles_BTP, keys_BWk, visible_BTW) -> jax.Array:
+        """``score[t, j] = sum_h w[t, h] * relu(qi[t, h] . K_j)``; invisible entries get -inf. fp32 [B, T, W]."""
+        q, w = self.query(x_BTd, q_lat_BTq, angles_BTP)
         dots = jnp.einsum("bthk,bwk->bthw", q.astype(jnp.float32), keys_BWk.astype(jnp.float32))
-        s = jnp.sum(jax.nn.relu(dots) * w.astype(jnp.float32)[..., None], axis=2)
-        return jnp.where(visible_BTW, s, -jnp.inf)
+        return _combine(dots, w, visible_BTW)
+
+    def scores_per_token(self, x_1Nd, q_lat_1Nq, angles_1NP, keys_NEk, visible_NE) -> jax.Array:
+        """As ``scores`` for a flat batch whose tokens each see their own entries: keys [N, E, hd] -> [N, E]."""
+        q, w = self.query(x_1Nd, q_lat_1Nq, angles_1NP)
+        dots = jnp.einsum("nhk,nek->nhe", q[0].astype(jnp.float32), keys_NEk.astype(jnp.float32))
+        return _combine(dots, w[0], visible_NE)
 
 
-def candidate_pool(scores_BTW: jax.Array, n_visible_BT: jax.Array, topk_blocks: int, block: int) -> jax.Array:
-    """Boolean [B, T, W]: the top ``topk_blocks`` blocks of ``block`` consecutive entries by max score.
+def _combine(dots: jax.Array, w: jax.Array, visible: jax.Array) -> jax.Array:
+    s = jnp.sum(jax.nn.relu(dots) * w[..., None], axis=-2)
+    return jnp.where(visible, s, -jnp.inf)
 
-    The block holding the newest visible entry is always kept (forced to +inf); blocks with no
-    finite score are never kept.
+
+def candidate_pool(scores: jax.Array, n_visible: jax.Array, topk_blocks: int, block: int) -> jax.Array:
+    """Boolean [..., W]: the top ``topk_blocks`` blocks of ``block`` consecutive entries by max score.
+
+    scores [..., W] (any leading axes); n_visible [...]. The block holding the newest visible entry
+    is always kept (forced to +inf); blocks with no finite score are never kept.
     """
-    b, t, w = scores_BTW.shape
+    *lead, w = scores.shape
     nb = -(-w // block)
-    padded = jnp.pad(scores_BTW, ((0, 0), (0, 0), (0, nb * block - w)), constant_values=-jnp.inf)
-    block_scores = jnp.max(padded.reshape(b, t, nb, block), axis=-1)
-    newest = (n_visible_BT - 1) // block
+    padded = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, nb * block - w)], constant_values=-jnp.inf)
+    block_scores = jnp.max(padded.reshape(*lead, nb, block), axis=-1)
+    newest = (n_visible - 1) // block
     block_scores = jnp.where(jnp.arange(nb) == newest[..., None], jnp.inf, block_scores)
     vals, idx = jax.lax.top_k(block_scores, min(topk_blocks, nb))
-    keep = jnp.zeros((b, t, nb), bool)
-    keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, idx, vals)
-    return jnp.repeat(keep, block, axis=-1)[..., :w]
+    flat_keep = jnp.zeros((math.prod(lead), nb), bool)
+    flat_keep = jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf))(
+        flat_keep, idx.reshape(-1, idx.shape[-1]), vals.reshape(-1, vals.shape[-1]))
+    return jnp.repeat(flat_keep.reshape(*lead, nb), block, axis=-1)[..., :w]
 
 
 def select_topk(scores_BTW: jax.Array, k: int) -> jax.Array:
-    """Indices [B, T, min(k, W)] of the top-k entries, ascending; slots without a finite score are -1."""
+    """Indices [..., k] of the top-k entries, ascending; slots without a finite score (or past W) are -1."""
     w = scores_BTW.shape[-1]
+    if w == 0:
+        return jnp.full((*scores_BTW.shape[:-1], k), -1, jnp.int32)
     vals, idx = jax.lax.top_k(scores_BTW, min(k, w))
-    valid = vals > -jnp.inf
-    idx = jnp.where(valid, idx, w)  # sort invalid slots last, then mark them
+    idx = jnp.where(vals > -jnp.inf, idx, w)  # sort invalid slots last, then mark them
     idx = jnp.sort(idx, axis=-1)
-    return jnp.where(idx == w, -1, idx).astype(jnp.int32)
+    idx = jnp.where(idx == w, -1, idx).astype(jnp.int32)
+    return jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - idx.shape[-1])], constant_values=-1)

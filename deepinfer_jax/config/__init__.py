@@ -1,0 +1,6 @@
+"""Frozen, validated configuration dataclasses, one module per concern."""
+
+from deepinfer_jax.config.cache import CacheConfig
+from deepinfer_jax.config.model import NESTED_MODEL_TYPE, TEXT_MODEL_TYPE, LayerRole, ModelConfig, RopeScaling
+
+__all__ = ["CacheConfig", "NESTED_MODEL_TYPE", "TEXT_MODEL_TYPE", "LayerRole", "ModelConfig", "RopeScaling"]

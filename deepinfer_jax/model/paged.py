@@ -1,0 +1,246 @@
+"""One mixed prefill/decode step over the paged cache: a flat ragged batch in, logits out.
+
+``paged_step(params, cfg, cache_cfg, cache, inputs)`` runs every layer on ``N`` flat tokens that
+belong to up to ``R`` requests (each request's tokens contiguous, at consecutive positions starting
+at the request's ``ctx_len``), reads the window rows, compressed entries, compressor state and
+Engram look-back that earlier steps left in the cache, writes the new ones, and returns the logits
+of the ``logit_rows`` tokens. Per token it computes exactly what ``forward_full`` computes at that
+position (same ops, same row shapes), so any chunking reproduces the full forward.
+
+Padding: tokens with ``token_valid = False`` and request rows whose ``req_slot`` is out of range
+write nothing (scatters drop out-of-range indices). Validation of positions, block tables and
+bucket sizes happens on the host, before this function is called (``deepinfer_jax.runner``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepinfer_jax.config import LayerRole
+from deepinfer_jax.model import kv_cache as kc
+from deepinfer_jax.model import mhc
+from deepinfer_jax.model.attention import attend
+from deepinfer_jax.model.deepseek_v41 import _graphdef
+from deepinfer_jax.model.engram_consts import hash_constants
+from deepinfer_jax.model.engram_hash import ngram_hash_ids
+from deepinfer_jax.model.indexer import candidate_pool, select_topk
+from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
+
+
+class StepInputs(NamedTuple):
+    """Device inputs of one step (all int32 unless noted; N tokens, R request rows, MB blocks, M logit rows)."""
+
+    token_ids: jax.Array  # [N]
+    positions: jax.Array  # [N]
+    token_req: jax.Array  # [N] row of the token's request in the per-request arrays
+    token_valid: jax.Array  # [N] bool; False = padding
+    block_tables: jax.Array  # [R, MB] block ids, -1 = none
+    req_slot: jax.Array  # [R] ring/state slot; >= max_requests for padding rows
+    req_start: jax.Array  # [R] flat index of the request's first token in this step
+    ctx_len: jax.Array  # [R] tokens already cached before this step
+    new_len: jax.Array  # [R] ctx_len + this step's tokens of the request
+    logit_rows: jax.Array  # [M] flat token indices whose logits are returned
+
+
+class _Step(NamedTuple):
+    """Per-token metadata derived once per step."""
+
+    inp: StepInputs
+    pos: jax.Array
+    idx: jax.Array  # [N] flat index
+    ctx: jax.Array  # [N] ctx_len of the token's request
+    new: jax.Array  # [N]
+    slot: jax.Array  # [N] slot for reads (clipped)
+    valid: jax.Array  # [N]
+    quantized: bool
+    cache_cfg: object
+
+
+class _Shared(NamedTuple):
+    """Cross-layer CSA2 state within a step: the current KV source's entries and the selection."""
+
+    source: int = -1
+    kv_RED: jax.Array | None = None  # main entries of every request row [R, E, D] (decoded)
+    index_RED: jax.Array | None = None  # index keys of every request row [R, E, hd] (decoded)
+    topk: jax.Array | None = None  # [N, k]
+    candidates: jax.Array | None = None  # [N, E]
+
+
+def _store(x, fmt, fq, m: _Step, fake_quant: bool):
+    """(storage rows, the values the model uses): the values always equal ``fq(x)`` bit for bit."""
+    if m.quantized:
+        stored = kc.encode(x, fmt, True)
+        return stored, kc.decode(stored, fmt, True)
+    vals = fq(x) if fake_quant else x
+    return vals, vals
+
+
+def _engram_rows(model, cache, m: _Step):
+    """Engram table rows [1, N, L, h] from each token's own look-back (this step or the cached history)."""
+    cfg = model.cfg
+    n = cfg.engram_max_ngram_size
+    hist = cache["engram"][m.slot]  # [N, n-1]
+    cols, mask = [], []
+    for k in range(n - 1, -1, -1):  # chronological: look-back k = n-1 .. 0
+        pk = m.pos - k
+        from_step = pk >= m.ctx
+        h = jnp.take_along_axis(hist, jnp.clip(n - 1 - (m.ctx - pk), 0, n - 2)[:, None], axis=1)[:, 0]
+        tok = jnp.where(from_step, m.inp.token_ids[jnp.clip(m.idx - k, 0)], h)
+        cols.append(jnp.maximum(tok, 0))
+        mask.append((pk >= 0) & (from_step | (h >= 0)))
+    mini, mini_mask = jnp.stack(cols, 1), jnp.stack(mask, 1)
+    rows = ngram_hash_ids(mini, model.engram_token_map[...], hash_constants(cfg), max_ngram=n,
+                          pad_token_id=cfg.engram_pad_token_id, token_mask=mini_mask)
+    return rows[:, -1][None]
+
+
+def _engram_history(cache, m: _Step, n: int):
+    """The last n-1 token ids of every request row after this step -> cache['engram'][slot]."""
+    inp = m.inp
+    old = cache["engram"][jnp.clip(inp.req_slot, 0, cache["engram"].shape[0] - 1)]  # [R, n-1]
+    p = inp.new_len[:, None] - (n - 1) + jnp.arange(n - 1)  # [R, n-1]
+    from_step = p >= inp.ctx_len[:, None]
+    tok_step = inp.token_ids[jnp.clip(inp.req_start[:, None] + (p - inp.ctx_len[:, None]), 0,
+                                      inp.token_ids.shape[0] - 1)]
+    tok_old = jnp.take_along_axis(old, jnp.clip(n - 1 - (inp.ctx_len[:, None] - p), 0, n - 2), axis=1)
+    hist = jnp.where(p < 0, -1, jnp.where(from_step, tok_step, tok_old))
+    return cache["engram"].at[inp.req_slot].set(hist, mode="drop")
+
+
+def _window_keys(attn, layer, kv_new, cache, m: _Step):
+    """Each token's ``window`` SWA rows [N, w, D] (this step's rows or the ring) and their validity."""
+    w = attn.window
+    cap = m.cache_cfg.ring_capacity_rows
+    pk = m.pos[:, None] - (w - 1) + jnp.arange(w)  # [N, w]
+    in_step = pk >= m.ctx[:, None]
+    src = jnp.clip(m.idx[:, None] - (m.pos[:, None] - pk), 0, kv_new.shape[0] - 1)
+    ring = kc.decode(kc.gather(cache["swa"], (layer, m.slot[:, None], jnp.mod(pk, cap))), "fp8", m.quantized)
+    keys = jnp.where(in_step[..., None], kv_new[src], ring)
+    return keys, (pk >= 0) & m.valid[:, None]
+
+
+def _compress(attn, x_1Nd, cache, layer, m: _Step):
+    """Latent [N, D] of the entry each token completes (garbage where it completes none), new comp state."""
+    comp = attn.compressor
+    r = attn.ratio
+    if r == 1:
+        return comp(x_1Nd)[0], cache["comp"]
+    xf = x_1Nd.astype(jnp.float32)
+    v, g = comp.wkv(xf)[0], comp.wgate(xf)[0]  # [N, D]
+    state = cache["comp"][layer]
+    vs, gs = [], []
+    for k in range(r):
+        pk = m.pos - (r - 1) + k
+        in_step = (pk >= m.ctx)[:, None]
+        src = jnp.clip(m.idx - (r - 1 - k), 0)
+        vs.append(jnp.where(in_step, v[src], state["v"][m.slot, jnp.mod(pk, r)]))
+        gs.append(jnp.where(in_step, g[src], state["g"][m.slot, jnp.mod(pk, r)]))
+    values, gates = jnp.stack(vs, 1), jax.nn.softmax(jnp.stack(gs, 1), axis=1)
+    latent = comp.norm(jnp.sum(values * gates, axis=1).astype(x_1Nd.dtype))
+    pending = m.valid & (m.pos >= m.new - jnp.mod(m.new, r))
+    at = (jnp.where(pending, m.inp.req_slot[m.inp.token_req], m.cache_cfg.max_requests), jnp.mod(m.pos, r))
+    new_state = {"v": state["v"].at[at].set(v, mode="drop"), "g": state["g"].at[at].set(g, mode="drop")}
+    return latent, {**cache["comp"], layer: new_state}
+
+
+def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
+    """One layer's CSA2 attention on the flat batch: write SWA rows / entries, select, attend."""
+    angles = attn.angles(m.pos)[None]
+    q_lat, q = attn.query(x_1Nd, angles)
+    stored, kv_new = _store(attn.window_kv(x_1Nd, angles, raw=True)[0], "fp8", fake_quant_fp8, m, cfg.fake_quant)
+    keys, valid = _window_keys(attn, layer, kv_new, cache, m)
+    cap = m.cache_cfg.ring_capacity_rows
+    keep = m.valid & (m.pos >= m.new - cap)
+    ring_at = (layer, jnp.where(keep, m.inp.req_slot[m.inp.token_req], m.cache_cfg.max_requests), jnp.mod(m.pos, cap))
+    cache = {**cache, "swa": kc.scatter(cache["swa"], ring_at, stored)}
+    keys, valid = [keys], [valid]
+    if attn.ratio:
+        r, bs = attn.ratio, m.cache_cfg.block_size
+        tables = m.inp.block_tables
+        n_blocks = m.cache_cfg.num_blocks
+        if attn.role is LayerRole.FULL:
+            latent, comp = _compress(attn, x_1Nd, cache, layer, m)
+            j = m.pos // r
+            c_angles = attn.angles(j * r)
+            g_stored, _ = _store(attn.global_kv(latent, c_angles, raw=True), "nvfp4", fake_quant_nvfp4, m,
+                                 cfg.fake_quant)
+            i_stored, _ = _store(attn.indexer.keys(latent, c_angles, raw=True), "mxfp4", fake_quant_mxfp4, m,
+                                 cfg.fake_quant)
+            blk = tables[m.inp.token_req, (j * r) // bs]
+            done = m.valid & (jnp.mod(m.pos, r) == r - 1) & (blk >= 0)
+            at = (jnp.where(done, blk, n_blocks), jnp.mod(j * r, bs) // r)
+            glob = cache["global"][layer]
+            glob = {"kv": kc.scatter(glob["kv"], at, g_stored), "index": kc.scatter(glob["index"], at, i_stored)}
+            cache = {**cache, "comp": comp, "global": {**cache["global"], layer: glob}}
+            e = tables.shape[1] * bs // r
+            jj = jnp.arange(e)
+            where_e = (jnp.clip(tables[:, (jj * r) // bs], 0, n_blocks - 1),
+                       jnp.broadcast_to(jnp.mod(jj * r, bs) // r, (tables.shape[0], e)))
+            shared = _Shared(source=layer, kv_RED=kc.decode(kc.gather(glob["kv"], where_e), "nvfp4", m.quantized),
+                             index_RED=kc.decode(kc.gather(glob["index"], where_e), "mxfp4", m.quantized),
+                             candidates=shared.candidates)
+        if attn.role in (LayerRole.FULL, LayerRole.REINDEX):
+            index_keys = shared.index_RED
+            e = index_keys.shape[1]
+            n_visible = (m.pos + 1) // r
+            visible = jnp.arange(e) < n_visible[:, None]
+            scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
+            candidates = shared.candidates
+            if attn.is_candidate_source:
+                candidates = candidate_pool(scores, n_visible, attn.candidate_blocks, attn.candidate_block_size) & visible
+            elif attn.uses_candidates:
+                scores = jnp.where(candidates, scores, -jnp.inf)
+            shared = shared._replace(topk=select_topk(scores, attn.index_topk), candidates=candidates)
+        sel = shared.topk
+        gathered = shared.kv_RED[m.inp.token_req[:, None], jnp.maximum(sel, 0)]
+        keys.append(gathered.astype(kv_new.dtype))
+        valid.append(sel >= 0)
+    o = attend(q, jnp.concatenate(keys, 1)[None], jnp.concatenate(valid, 1)[None], attn.attn_sink[...])
+    return attn.output(o, angles), shared, cache
+
+
+def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInputs):
+    """(logits [M, V] fp32, updated cache). ``cfg`` and ``cache_cfg`` are static under jit; donate ``cache``."""
+    model = nnx.merge(_graphdef(cfg), params)
+    inp = inputs
+    n = inp.token_ids.shape[0]
+    slots = cache_cfg.max_requests
+    m = _Step(inp=inp, pos=inp.positions, idx=jnp.arange(n), ctx=inp.ctx_len[inp.token_req],
+              new=inp.new_len[inp.token_req], slot=jnp.clip(inp.req_slot[inp.token_req], 0, slots - 1),
+              valid=inp.token_valid, quantized=cache_cfg.storage == "quantized",
+              cache_cfg=_CacheGeometry(cache_cfg.block_size, cache_cfg.num_blocks, cache_cfg.max_requests,
+                                       cache_cfg.ring_capacity(cfg)))
+    x = model.embed(inp.token_ids)[None]
+    streams = jnp.broadcast_to(x[:, :, None, :], (1, n, cfg.hc_mult, cfg.hidden_size))
+    pre = jnp.zeros((1, n, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    rows = _engram_rows(model, cache, m) if cfg.engram_layer_ids else None
+    shared = _Shared()
+    for layer, block in enumerate(model.layers):
+        if block.engram_index is not None:
+            streams = block.engram(streams, rows[:, :, block.engram_index])
+        attn_mix = block.mix("attn", streams)
+        out, shared, cache = _attention_step(block.attn, layer, block.attn_norm(mhc.collapse(streams, pre)),
+                                             shared, cache, m, cfg)
+        streams = mhc.expand(out, streams, attn_mix)
+        ffn_mix = block.mix("ffn", streams)
+        out = block.ffn(block.ffn_norm(mhc.collapse(streams, attn_mix.pre)))
+        streams = mhc.expand(out, streams, ffn_mix)
+        pre = ffn_mix.pre
+    if cfg.engram_layer_ids:
+        cache = {**cache, "engram": _engram_history(cache, m, cfg.engram_max_ngram_size)}
+    h = model.norm(mhc.collapse(streams[:, inp.logit_rows], pre[:, inp.logit_rows]))[0]
+    logits = jnp.einsum("md,vd->mv", h.astype(jnp.float32), model.head.weight[...].astype(jnp.float32))
+    return logits, cache
+
+
+class _CacheGeometry(NamedTuple):
+    """The static numbers of a CacheConfig that the step needs."""
+
+    block_size: int
+    num_blocks: int
+    max_requests: int
+    ring_capacity_rows: int
