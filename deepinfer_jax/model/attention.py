@@ -17,7 +17,7 @@ from flax import nnx
 from deepinfer_jax.config import LayerRole
 from deepinfer_jax.model.compressor import Compressor
 from deepinfer_jax.model.indexer import Indexer, candidate_pool, select_topk
-from deepinfer_jax.model.layers import Linear, RMSNorm
+from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_nvfp4
 from deepinfer_jax.model.rope import apply_rope, rope_angles, rope_frequencies
 
@@ -93,7 +93,8 @@ class Attention(nnx.Module):
         b, t = o_BTHD.shape[:2]
         o = apply_rope(o_BTHD, angles, inverse=True).reshape(b, t, self.groups, -1)
         wa = self.wo_a.weight[...].reshape(self.groups, -1, o.shape[-1])
-        u = jnp.einsum("btgi,goi->btgo", o, wa.astype(o.dtype)).reshape(b, t, -1)
+        # one 2-D matmul per group (a batched-over-groups einsum rounds differently per batch shape)
+        u = jnp.concatenate([matmul_t(o[:, :, g], wa[g]) for g in range(self.groups)], axis=-1)
         return self.wo_b(u)
 
     # -- full-sequence forward ----------------------------------------------------------------

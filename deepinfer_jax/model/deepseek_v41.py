@@ -22,7 +22,7 @@ from deepinfer_jax.model.attention import Attention, GlobalState
 from deepinfer_jax.model.engram import Engram, Table
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.engram_consts import hash_constants
-from deepinfer_jax.model.layers import Linear, RMSNorm
+from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
 
 
@@ -97,7 +97,7 @@ class DeepseekV41(nnx.Module):
         for block in self.layers:
             streams, pre, state = block(streams, pre, state, rows)
         h = self.norm(mhc.collapse(streams, pre))
-        return jnp.einsum("btd,vd->btv", h.astype(jnp.float32), self.head.weight[...].astype(jnp.float32))
+        return matmul_t(h.astype(jnp.float32), self.head.weight[...].astype(jnp.float32))
 
 
 @functools.lru_cache(maxsize=32)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from deepinfer_jax.model.layers import Linear
+from deepinfer_jax.model.layers import Linear, row_mean, row_sum
 
 
 class Table(nnx.Module):
@@ -46,8 +46,8 @@ class Engram(nnx.Module):
         value = kv[..., n * d :].astype(jnp.float32)
         r = streams_BTnd.astype(jnp.float32)
         w = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.mean(r * r, -1) + self.eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + self.eps)
-        dot = jnp.sum(r * w * key, -1) * rstd * d**-0.5
+        rstd = jax.lax.rsqrt(row_mean(r * r)[..., 0] + self.eps) * jax.lax.rsqrt(row_mean(key * key)[..., 0] + self.eps)
+        dot = row_sum(r * w * key)[..., 0] * rstd * d**-0.5
         gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
         if token_mask_BT is not None:
             gate = jnp.where(token_mask_BT[..., None], gate, 0.0)

@@ -7,13 +7,41 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (keepdims), computed as a matmul so that every row rounds the same way
+    whatever the number of rows (XLA:CPU vectorises plain row reductions differently by row count)."""
+    return matmul_t(x, jnp.ones((1, x.shape[-1]), x.dtype))
+
+
+def row_mean(x: jax.Array) -> jax.Array:
+    """Mean over the last axis (keepdims), batch-shape independent like ``row_sum``."""
+    return row_sum(x) / x.shape[-1]
+
+
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """``weight * x * rsqrt(mean(x^2) + eps)`` in fp32, cast back to x's dtype (model.md §4.7)."""
     v = x.astype(jnp.float32)
-    v = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    v = v * jax.lax.rsqrt(row_mean(v * v) + eps)
     if weight is not None:
         v = weight.astype(jnp.float32) * v
     return v.astype(x.dtype)
+
+
+def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for x [..., in], w [out, in], with row results that never depend on the batch shape.
+
+    XLA:CPU's matrix-matrix kernels give each row the same bits whatever the number of rows, but
+    its matrix-vector path (one row) rounds differently. With fake-quant boundaries downstream, a
+    one-ulp difference can flip a bin, so a single row is padded to two: the paged step and the
+    full forward then compute identical values for the same token.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    single = x2.shape[0] == 1
+    if single:
+        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)], axis=0)
+    y = jnp.einsum("ni,oi->no", x2, w.astype(x.dtype))
+    return (y[:1] if single else y).reshape(*lead, w.shape[0])
 
 
 class Linear(nnx.Module):
@@ -23,8 +51,7 @@ class Linear(nnx.Module):
         self.weight = nnx.Param((jax.random.normal(rngs.params(), (d_out, d_in)) * std).astype(dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
-        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+        return matmul_t(x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model.layers import matmul_t, row_mean
+
 
 class Mix(NamedTuple):
     """fp32 coefficients of one site: pre/post [B, T, n], comb [B, T, n_in, n_out]."""
@@ -42,8 +44,8 @@ def hc_mix(
     """
     n = streams.shape[-2]
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    m = jnp.einsum("...k,mk->...m", flat, fn.astype(jnp.float32))
-    m = m * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    m = matmul_t(flat, fn.astype(jnp.float32))
+    m = m * jax.lax.rsqrt(row_mean(flat * flat) + norm_eps)
     scales = jnp.concatenate([jnp.repeat(scale[0], n), jnp.repeat(scale[1], n), jnp.repeat(scale[2], n * n)])
     z = base.astype(jnp.float32) + m * scales.astype(jnp.float32)
     pre = jax.nn.sigmoid(z[..., :n]) + hc_eps

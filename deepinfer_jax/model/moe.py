@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from deepinfer_jax.model.layers import Linear
+from deepinfer_jax.model.layers import Linear, matmul_t
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -83,14 +83,15 @@ class MoE(nnx.Module):
     def __call__(self, x_BTd: jax.Array) -> jax.Array:
         shape = x_BTd.shape
         x = x_BTd.reshape(-1, shape[-1])
-        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
+        logits = matmul_t(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
         w, ids = route(logits, self.gate.bias[...], self.top_k, self.scale, self.renormalize)
         n_experts = logits.shape[-1]
         combine = jnp.zeros((x.shape[0], n_experts), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)
-        h = swiglu(jnp.einsum("nd,eid->nei", x, self.experts.w1[...].astype(x.dtype)),
-                   jnp.einsum("nd,eid->nei", x, self.experts.w3[...].astype(x.dtype)), self.limit)
-        h = (h * combine[..., None]).astype(x.dtype)
-        y = jnp.einsum("nei,edi->nd", h, self.experts.w2[...].astype(x.dtype)).astype(jnp.float32)
+        w1, w3, w2 = self.experts.w1[...], self.experts.w3[...], self.experts.w2[...]
+        n_tok, (e, inter, d) = x.shape[0], w1.shape
+        h = swiglu(matmul_t(x, w1.reshape(e * inter, d)), matmul_t(x, w3.reshape(e * inter, d)), self.limit)
+        h = (h.reshape(n_tok, e, inter) * combine[..., None]).astype(x.dtype).reshape(n_tok, e * inter)
+        y = matmul_t(h, jnp.transpose(w2, (1, 0, 2)).reshape(d, e * inter)).astype(jnp.float32)
         y = y + self.shared_experts(x).astype(jnp.float32)
         return y.astype(x_BTd.dtype).reshape(shape)

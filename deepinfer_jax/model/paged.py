@@ -28,6 +28,7 @@ from deepinfer_jax.model.deepseek_v41 import _graphdef
 from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.indexer import candidate_pool, select_topk
+from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
 
 
@@ -233,7 +234,7 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
     if cfg.engram_layer_ids:
         cache = {**cache, "engram": _engram_history(cache, m, cfg.engram_max_ngram_size)}
     h = model.norm(mhc.collapse(streams[:, inp.logit_rows], pre[:, inp.logit_rows]))[0]
-    logits = jnp.einsum("md,vd->mv", h.astype(jnp.float32), model.head.weight[...].astype(jnp.float32))
+    logits = matmul_t(h.astype(jnp.float32), model.head.weight[...].astype(jnp.float32))
     return logits, cache
 
 
