@@ -28,6 +28,7 @@ test: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/forward.py
+	$(PY) benchmarks/decode.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime

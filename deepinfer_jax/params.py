@@ -22,7 +22,8 @@ def engram_token_map(cfg, token_map: np.ndarray | None = None) -> np.ndarray | N
     if token_map is None:
         return default_token_map(cfg)
     token_map = np.asarray(token_map)
-    if token_map.shape != (cfg.vocab_size,) or token_map.min() < 0 or token_map.max() >= cfg.engram_compressed_vocab_size:
+    bad_range = token_map.min() < 0 or token_map.max() >= cfg.engram_compressed_vocab_size
+    if token_map.shape != (cfg.vocab_size,) or bad_range:
         raise ValueError(f"token_map must have shape ({cfg.vocab_size},) with ids in "
                          f"[0, {cfg.engram_compressed_vocab_size}) (engram_compressed_vocab_size)")
     return token_map

@@ -66,7 +66,8 @@ def native_state_dict(model) -> dict[str, np.ndarray]:
 
 def load_native_state_dict(model, tensors: dict[str, np.ndarray]) -> None:
     """Load DeepSeek-native fp32 tensors back into the NeMo model (so both sides share exact weights)."""
-    native = model.state_dict_adapter.from_hf({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()})
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
+    native = model.state_dict_adapter.from_hf(tensors)
     missing, unexpected = model.load_state_dict(native, strict=False)
     missing = [m for m in missing if "engram_hash" not in m]
     assert not missing and not unexpected, (missing, unexpected)

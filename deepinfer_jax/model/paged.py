@@ -192,7 +192,8 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
             candidates = shared.candidates
             if attn.is_candidate_source:
-                candidates = candidate_pool(scores, n_visible, attn.candidate_blocks, attn.candidate_block_size) & visible
+                candidates = candidate_pool(scores, n_visible, attn.candidate_blocks,
+                                            attn.candidate_block_size) & visible
             elif attn.uses_candidates:
                 scores = jnp.where(candidates, scores, -jnp.inf)
             shared = shared._replace(topk=select_topk(scores, attn.index_topk), candidates=candidates)
