@@ -146,14 +146,20 @@ class Attention(nnx.Module):
             n_visible = jnp.broadcast_to((jnp.arange(t) + 1) // r, (b, t))
             visible = jnp.arange(w) < n_visible[..., None]
             scores = self.indexer.scores(x_BTd, q_lat, angles, state.index_keys, visible)
-            candidates = state.candidates
-            if self.is_candidate_source:
-                candidates = candidate_pool(scores, n_visible, self.candidate_blocks,
-                                            self.candidate_block_size) & visible
-            elif self.uses_candidates:
-                scores = jnp.where(candidates, scores, -jnp.inf)
-            state = state._replace(topk=select_topk(scores, self.index_topk), candidates=candidates)
+            topk, candidates = self.select(scores, n_visible, visible, state.candidates)
+            state = state._replace(topk=topk, candidates=candidates)
         return state
+
+    def select(self, scores, n_visible, visible, candidates):
+        """(top-k entry ids [..., k], candidate pool [..., W]) from index scores [..., W].
+
+        The candidate source publishes its block pool; later index layers are confined to it.
+        """
+        if self.is_candidate_source:
+            candidates = candidate_pool(scores, n_visible, self.candidate_blocks, self.candidate_block_size) & visible
+        elif self.uses_candidates:
+            scores = jnp.where(candidates, scores, -jnp.inf)
+        return select_topk(scores, self.index_topk), candidates
 
 
 def attend(q_BTHD: jax.Array, kv_BTSD: jax.Array, valid_BTS: jax.Array, sink_H: jax.Array) -> jax.Array:

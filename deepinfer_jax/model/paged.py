@@ -27,7 +27,6 @@ from deepinfer_jax.model.attention import attend
 from deepinfer_jax.model.deepseek_v41 import _graphdef
 from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
-from deepinfer_jax.model.indexer import candidate_pool, select_topk
 from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
 
@@ -190,13 +189,8 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             n_visible = (m.pos + 1) // r
             visible = jnp.arange(e) < n_visible[:, None]
             scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
-            candidates = shared.candidates
-            if attn.is_candidate_source:
-                candidates = candidate_pool(scores, n_visible, attn.candidate_blocks,
-                                            attn.candidate_block_size) & visible
-            elif attn.uses_candidates:
-                scores = jnp.where(candidates, scores, -jnp.inf)
-            shared = shared._replace(topk=select_topk(scores, attn.index_topk), candidates=candidates)
+            topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
+            shared = shared._replace(topk=topk, candidates=candidates)
         sel = shared.topk
         gathered = shared.kv_RED[m.inp.token_req[:, None], jnp.maximum(sel, 0)]
         keys.append(gathered.astype(kv_new.dtype))
