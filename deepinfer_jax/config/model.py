@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import json
 import math
 import numbers
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+from deepinfer_jax.model.engram_consts import engram_primes
 
 __all__ = ["LayerRole", "ModelConfig", "PUBLISHED_VISION_CONFIG", "RopeScaling"]
 
@@ -108,30 +109,6 @@ def _increasing_ids(name: str, ids: tuple[int, ...], end: int) -> None:
 
 
 # --- Engram hash primes (model.md §4.3) ------------------------------------------------------
-
-
-def _is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin (exact below 3.3e24)."""
-    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
-    if n < 2 or any(n % p == 0 for p in bases):
-        return n in bases
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    return all(pow(a, d, n) == 1 or any(pow(a, d << k, n) == n - 1 for k in range(s)) for a in bases)
-
-
-@functools.lru_cache(maxsize=64)
-def _engram_primes(vocab_size: int, num_layers: int, per_layer: int) -> tuple[tuple[int, ...], ...]:
-    # Each (layer, n-gram, head) takes the next unused prime above vocab_size - 1; because every
-    # search restarts there and skips used primes, that is simply the run of consecutive primes
-    # >= vocab_size, handed out in layer order.
-    primes, candidate = [], vocab_size
-    while len(primes) < num_layers * per_layer:
-        if _is_prime(candidate):
-            primes.append(candidate)
-        candidate += 1
-    return tuple(tuple(primes[i * per_layer:(i + 1) * per_layer]) for i in range(num_layers))
 
 
 # --- the configuration -----------------------------------------------------------------------
@@ -522,7 +499,7 @@ class ModelConfig:
     def engram_primes(self) -> tuple[tuple[int, ...], ...]:
         """Hash-bucket primes per Engram layer (``engram_layer_ids`` order), each ordered by
         (n-gram order, head): consecutive primes >= ``engram_vocab_size``, never reused."""
-        return _engram_primes(self.engram_vocab_size, len(self.engram_layer_ids), self.num_engram_hash_heads)
+        return engram_primes(self.engram_vocab_size, len(self.engram_layer_ids), self.num_engram_hash_heads)
 
     # ---- sizes ----
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import numpy as np
@@ -37,18 +36,30 @@ class EngramLayerHash:
 
 
 def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+    """Deterministic Miller-Rabin (exact below 3.3e24)."""
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    if n < 2 or any(n % p == 0 for p in bases):
+        return n in bases
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    return all(pow(a, d, n) == 1 or any(pow(a, d << k, n) == n - 1 for k in range(s)) for a in bases)
 
 
-def _first_unused_prime_above(start: int, used: set[int]) -> int:
-    candidate = start + 1
-    while not (_is_prime(candidate) and candidate not in used):
+@functools.lru_cache(maxsize=64)
+def engram_primes(bucket_floor: int, num_layers: int, per_layer: int) -> tuple[tuple[int, ...], ...]:
+    """Hash-bucket primes of every Engram layer, each ordered by (n-gram order, head).
+
+    The reference gives each column the first prime above ``bucket_floor - 1`` not used by an
+    earlier column of any layer, restarting the search for every n-gram order; that is exactly the
+    run of consecutive primes >= ``bucket_floor``, handed out in layer order.
+    """
+    primes, candidate = [], bucket_floor
+    while len(primes) < num_layers * per_layer:
+        if _is_prime(candidate):
+            primes.append(candidate)
         candidate += 1
-    return candidate
+    return tuple(tuple(primes[i * per_layer : (i + 1) * per_layer]) for i in range(num_layers))
 
 
 def _positive_int(cfg: Any, name: str, minimum: int = 1) -> int:
@@ -102,16 +113,9 @@ def _hash_constants(
             f"has {len(layer_ids)}"
         )
     bound = max(1, (_INT64_MAX // n_compressed) // 2)
-    used: set[int] = set()
     layers = []
-    for layer_id, rows in zip(layer_ids, num_embeddings):
-        primes = []
-        for _order in range(2, max_ngram + 1):
-            current = bucket_floor - 1
-            for _head in range(n_heads):
-                current = _first_unused_prime_above(current, used)
-                used.add(current)
-                primes.append(current)
+    all_primes = engram_primes(bucket_floor, len(layer_ids), (max_ngram - 1) * n_heads)
+    for layer_id, rows, primes in zip(layer_ids, num_embeddings, all_primes):
         if sum(primes) > rows:
             raise ValueError(
                 f"engram_num_embeddings for layer {layer_id} is {rows}, but its hash buckets need "
@@ -119,5 +123,5 @@ def _hash_constants(
             )
         offsets = tuple(int(x) for x in np.cumsum([0, *primes[:-1]], dtype=np.int64))
         draws = np.random.default_rng(10007 * layer_id).integers(0, bound, size=max_ngram, dtype=np.int64)
-        layers.append(EngramLayerHash(tuple(primes), offsets, tuple(2 * int(u) + 1 for u in draws)))
+        layers.append(EngramLayerHash(primes, offsets, tuple(2 * int(u) + 1 for u in draws)))
     return tuple(layers)
