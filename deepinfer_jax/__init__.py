@@ -1,14 +1,25 @@
 """deepinfer-jax: DeepSeek's DeepInfer engine for the DeepSeek-V4.1-Flash architecture, in JAX."""
 
 from deepinfer_jax.checkpoint import CheckpointError, load_hf_checkpoint, params_from_state_dict
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
+from deepinfer_jax.engine import CompletionOutput, RequestError, RequestOutput, SamplingParams
+from deepinfer_jax.llm import LLM
 from deepinfer_jax.model.deepseek_v41 import forward_full
+from deepinfer_jax.model.generate import generate
 from deepinfer_jax.params import init_params
 
 __all__ = [
+    "LLM",
+    "CacheConfig",
     "CheckpointError",
+    "CompletionOutput",
+    "EngineConfig",
     "ModelConfig",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
     "forward_full",
+    "generate",
     "init_params",
     "load_hf_checkpoint",
     "params_from_state_dict",

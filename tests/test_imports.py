@@ -11,8 +11,9 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "deepinfer_jax"
 HOST_PACKAGES = ("deepinfer_jax.checkpoint", "deepinfer_jax.engram_vocab", "deepinfer_jax.tokenizer", "tokenizers",
                  "deepinfer_jax.engine", "deepinfer_jax.cache", "deepinfer_jax.recipe", "torch", "nemo_automodel")
-HOST_MODULES = ["engram_vocab.py", "tokenizer.py", *[f"{d}/{p.name}" for d in ("checkpoint", "cache", "config")
-                                                   for p in (PKG / d).glob("*.py")]]
+HOST_MODULES = ["engram_vocab.py", "tokenizer.py",
+                *[str(p.relative_to(PKG)) for d in ("checkpoint", "cache", "config", "engine", "recipe")
+                  for p in sorted((PKG / d).rglob("*.py"))]]
 DEVICE_MODULES = [f"model/{p.name}" for p in (PKG / "model").glob("*.py")]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import json
 import math
 import numbers
@@ -21,7 +22,7 @@ from typing import Any
 
 from deepinfer_jax.model.engram_consts import engram_primes
 
-__all__ = ["LayerRole", "ModelConfig", "PUBLISHED_VISION_CONFIG", "RopeScaling"]
+__all__ = ["PUBLISHED_VISION_CONFIG", "LayerRole", "ModelConfig", "RopeScaling"]
 
 NESTED_MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"
@@ -104,7 +105,7 @@ def _rules(obj: Any, rules: tuple[tuple[str, bool, str], ...]) -> None:
 
 
 def _increasing_ids(name: str, ids: tuple[int, ...], end: int) -> None:
-    _check(all(a < b for a, b in zip(ids, ids[1:])), name, f"must be strictly increasing, got {ids}")
+    _check(all(a < b for a, b in itertools.pairwise(ids)), name, f"must be strictly increasing, got {ids}")
     _check(all(0 <= i < end for i in ids), name, f"must lie in [0, {end}), got {ids}")
 
 
@@ -547,14 +548,14 @@ class ModelConfig:
 
 
 # The layer schedule and head counts shared by ModelConfig.tiny() and ModelConfig.small().
-_PRESET_SCHEDULE: dict[str, Any] = dict(
-    num_hidden_layers=12, compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0),
-    kv_source_layer_ids=(2, 4, 6), index_source_layer_ids=(2, 4, 6, 8, 10), candidate_source_layer_id=6,
-    candidate_topk_blocks=4, num_attention_heads=4, o_groups=2, index_n_heads=2, index_head_dim=32,
-    n_routed_experts=8, num_experts_per_tok=2, engram_layer_ids=(1, 4), engram_max_ngram_size=3,
-    engram_n_heads=2, dspark_target_layer_ids=(9, 10, 11), dspark_markov_rank=16, dspark_n_routed_experts=4,
-    dspark_num_experts_per_tok=2,
-)
+_PRESET_SCHEDULE: dict[str, Any] = {
+    "num_hidden_layers": 12, "compress_ratios": (0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0),
+    "kv_source_layer_ids": (2, 4, 6), "index_source_layer_ids": (2, 4, 6, 8, 10), "candidate_source_layer_id": 6,
+    "candidate_topk_blocks": 4, "num_attention_heads": 4, "o_groups": 2, "index_n_heads": 2, "index_head_dim": 32,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "engram_layer_ids": (1, 4), "engram_max_ngram_size": 3,
+    "engram_n_heads": 2, "dspark_target_layer_ids": (9, 10, 11), "dspark_markov_rank": 16, "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}
 _ROOT_FIELDS = ("dtype", "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
 _OWN_FIELDS = ("weight_block_size", "expert_dtype", "fake_quant")
 _TEXT_FIELDS = tuple(

@@ -1,5 +1,11 @@
 """ModelRunner: turns scheduled request chunks into padded device inputs and runs the jitted step.
 
+Two jitted entry points share the model step: ``execute`` returns logits (for tests and research),
+``launch`` samples inside the step (``model.sampler``) and returns a ``PendingStep`` without
+waiting for the device, which is what the engine's asynchronous loop needs (engine.md §2.2): the
+sampled ids also stay on the device, in a per-slot buffer, and a later step can take its first
+token from there (``ChunkSpec.feed_last``) before the host has seen it.
+
 The only place that converts between host data (lists of ids, block tables) and device arrays.
 ``execute`` validates the whole batch before anything reaches the device, so a bad chunk raises
 ``StepInputError`` and leaves the cache (and every other request's state) untouched. The cache is
@@ -13,10 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs, paged_step
+from deepinfer_jax.model.sampler import SamplingInputs, sample
 from deepinfer_jax.runner.buckets import Buckets
 
 
@@ -31,7 +39,10 @@ class ChunkSpec:
     slot: the request's ring/state slot (0 <= slot < max_requests); block_table: its block ids in
     order (covering at least ``ctx_len + len(token_ids)`` tokens); ctx_len: tokens already in the
     cache; token_ids: the new tokens (positions ctx_len ...); logits: offsets within token_ids whose
-    logits are wanted (default: the last one).
+    logits are wanted (default: the last one; ``execute`` only). For ``launch``: ``sample`` (None =
+    this chunk samples nothing, e.g. a prefill chunk short of the prompt's end) samples one token
+    from the chunk's last position; ``feed_last`` replaces ``token_ids[0]`` by the token the slot
+    sampled last, still on the device.
     """
 
     slot: int
@@ -39,11 +50,29 @@ class ChunkSpec:
     ctx_len: int
     token_ids: Sequence[int]
     logits: Sequence[int] | None = None
+    sample: SampleSpec | None = None
+    feed_last: bool = False
     offsets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
         wanted = (len(self.token_ids) - 1,) if self.logits is None else tuple(int(i) for i in self.logits)
         object.__setattr__(self, "offsets", wanted)
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How a chunk samples its next token (validated by ``engine.SamplingParams``).
+
+    ``stream`` and ``position`` with ``seed`` make the token's PRNG key (``model.sampler.row_key``).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    stream: int = 0
+    position: int = 0
 
 
 _TRACES = [0]
@@ -54,27 +83,72 @@ def _step(params, cfg, cache_cfg, cache, inputs):
     return paged_step(params, cfg, cache_cfg, cache, inputs)
 
 
+def _sample_step(params, cfg, cache_cfg, num_top, cache, last_ids, feed, inputs, sampling, sample_slot):
+    """The engine's step: tokens marked ``feed`` come from ``last_ids`` [slots] (by slot); samples one
+    token per request row and stores it in ``last_ids`` at ``sample_slot`` (out of range = none)."""
+    _TRACES[0] += 1
+    slots = cache_cfg.max_requests
+    token_slot = jnp.clip(inputs.req_slot[inputs.token_req], 0, slots - 1)
+    inputs = inputs._replace(token_ids=jnp.where(feed, last_ids[token_slot], inputs.token_ids))
+    logits, cache = paged_step(params, cfg, cache_cfg, cache, inputs)
+    out = sample(logits, sampling, num_top)
+    return out, cache, last_ids.at[sample_slot].set(out.token_ids, mode="drop")
+
+
+class PendingStep:
+    """A launched step; ``result()`` waits for the device and returns, per chunk in launch order,
+    ``(token_id, logprob, top_ids, top_logprobs)`` or None for chunks that sampled nothing."""
+
+    def __init__(self, sampled, chunks: Sequence[ChunkSpec]):
+        self._sampled, self._chunks, self._result = sampled, chunks, None
+
+    def result(self) -> list[tuple[int, float, np.ndarray, np.ndarray] | None]:
+        if self._result is None:
+            ids, lp, top_ids, top_lp = (np.asarray(a) for a in self._sampled)
+            self._result = [(int(ids[i]), float(lp[i]), top_ids[i], top_lp[i]) if c.sample is not None else None
+                            for i, c in enumerate(self._chunks)]
+            self._sampled = None
+        return self._result
+
+
 class ModelRunner:
     """Owns the device cache and the compiled step for one model and cache layout."""
 
-    def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None):
+    def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5):
         cache_cfg.validate_for(cfg)
         self.cfg, self.params, self.cache_cfg = cfg, params, cache_cfg
         self.buckets = buckets or Buckets()
         if self.buckets.blocks[-1] > cache_cfg.max_blocks_per_request:
             raise ValueError("Buckets.blocks exceeds CacheConfig.max_blocks_per_request")
+        if not isinstance(num_top_logprobs, int) or num_top_logprobs < 1:
+            raise ValueError(f"num_top_logprobs must be an int >= 1, got {num_top_logprobs!r}")
+        self.num_top_logprobs = num_top_logprobs
         self.cache = init_cache(cfg, cache_cfg)
+        self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._fn = jax.jit(_step, static_argnums=(1, 2), donate_argnums=(3,))
+        self._sample_fn = jax.jit(_sample_step, static_argnums=(1, 2, 3), donate_argnums=(4, 5))
 
     @property
     def traces(self) -> int:
         """How many times the step has been traced (compiled) in this process."""
         return _TRACES[0]
 
-    def precompile(self) -> None:
-        """Compile every bucket with all-padding inputs (they write nothing)."""
-        for n, r, b in self.buckets.shapes():
-            self._run(self._inputs([], n, r, b))
+    def precompile(self, sampling: bool = False, progress=None) -> None:
+        """Compile every bucket with all-padding inputs (they write nothing): the logits step, or
+        with ``sampling`` the engine's sampling step. ``progress(i, total)`` is called per bucket."""
+        shapes = self.buckets.shapes()
+        for i, (n, r, b) in enumerate(shapes):
+            if sampling:
+                self._launch([], n, r, b).result()
+            else:
+                self._run(self._inputs([], n, r, b))
+            if progress is not None:
+                progress(i + 1, len(shapes))
+
+    def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
+        """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``)."""
+        n, r, b = self._validate(chunks)
+        return self._launch(chunks, n, r, b)
 
     def execute(self, chunks: Sequence[ChunkSpec]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32)."""
@@ -87,6 +161,31 @@ class ModelRunner:
         return out
 
     # -- internals ---------------------------------------------------------------------------
+    def _launch(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int) -> PendingStep:
+        inputs = self._inputs(chunks, n, r, b)
+        # one logit row per request row: its chunk's last token
+        rows = np.array([inputs.req_start[i] + len(c.token_ids) - 1 for i, c in enumerate(chunks)] + [0] * (r - len(chunks)),
+                        np.int32)
+        feed = np.zeros(n, bool)
+        specs = [c.sample or SampleSpec() for c in chunks] + [SampleSpec()] * (r - len(chunks))
+        sample_slot = np.full(r, self.cache_cfg.max_requests, np.int32)
+        for i, c in enumerate(chunks):
+            feed[inputs.req_start[i]] = c.feed_last
+            if c.sample is not None:
+                sample_slot[i] = c.slot
+        sampling = SamplingInputs(
+            temperature=np.array([s.temperature for s in specs], np.float32),
+            top_k=np.array([s.top_k for s in specs], np.int32),
+            top_p=np.array([s.top_p for s in specs], np.float32),
+            min_p=np.array([s.min_p for s in specs], np.float32),
+            seed=np.array([s.seed for s in specs], np.uint32),
+            stream=np.array([s.stream for s in specs], np.uint32),
+            position=np.array([s.position for s in specs], np.int32))
+        out, self.cache, self.last_ids = self._sample_fn(
+            self.params, self.cfg, self.cache_cfg, self.num_top_logprobs, self.cache, self.last_ids, feed,
+            inputs._replace(logit_rows=rows), sampling, sample_slot)
+        return PendingStep(out, list(chunks))
+
     def _run(self, inputs: StepInputs) -> np.ndarray:
         logits, self.cache = self._fn(self.params, self.cfg, self.cache_cfg, self.cache, inputs)
         return np.asarray(logits)

@@ -1,0 +1,97 @@
+"""Engine settings (host side): scheduling, chunking, sampling limits, buckets.
+
+``LLM(model, **settings)`` maps its keyword arguments 1:1 onto ``EngineConfig`` fields.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CHUNKING_MODES", "EngineConfig"]
+
+#: "cost": chunk sizes from the fitted step-time model and ``step_budget_ns``; "tokens": a fixed
+#: token budget per step (``max_num_batched_tokens``, vLLM's setting).
+CHUNKING_MODES = ("cost", "tokens")
+
+
+def _pos(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _sizes(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if (not isinstance(value, tuple) or not value or any(not isinstance(v, int) or v < 1 for v in value)
+            or list(value) != sorted(set(value))):
+        raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Fields:
+        max_num_seqs: requests running at once (cache slots).
+        max_model_len: most tokens (prompt + output) per request; None = the model's limit capped
+            by ``max_blocks_per_request * block_size``.
+        block_size: tokens per KV block. num_blocks: device blocks (None = enough for every slot at
+            max_model_len). max_blocks_per_request: None = enough for max_model_len.
+        kv_storage: "quantized" or "dequantized" (``CacheConfig.storage``).
+        chunking: "cost" or "tokens" (``CHUNKING_MODES``).
+        max_num_batched_tokens: tokens per step (the budget in "tokens" mode, a cap in both).
+        step_budget_ns: the per-step time budget of "cost" mode, in nanoseconds.
+        profile_steps: run the start-up profiling pass in "cost" mode (else start from the disk
+            cache or a token-proportional guess). cost_model_dir: where fitted models are cached
+            (None = ``~/.cache/deepinfer_jax/cost_model``).
+        async_scheduling: overlap scheduling of step N+1 with the device running step N.
+        seed: the engine seed for requests without their own.
+        max_logprobs: most top logprobs a request may ask for.
+        token_buckets / request_buckets: step shapes compiled at start-up (None = derived).
+    """
+
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    block_size: int = 64
+    num_blocks: int | None = None
+    max_blocks_per_request: int | None = None
+    kv_storage: str = "quantized"
+    chunking: str = "cost"
+    max_num_batched_tokens: int = 256
+    step_budget_ns: int = 200_000_000
+    profile_steps: bool = True
+    cost_model_dir: str | None = None
+    async_scheduling: bool = True
+    seed: int = 0
+    max_logprobs: int = 5
+    token_buckets: tuple[int, ...] | None = None
+    request_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
+            _pos(name, getattr(self, name))
+        for name in ("max_model_len", "num_blocks", "max_blocks_per_request"):
+            _pos(name, getattr(self, name), optional=True)
+        if self.chunking not in CHUNKING_MODES:
+            raise ValueError(f"chunking must be one of {CHUNKING_MODES}, got {self.chunking!r}")
+        if self.kv_storage not in ("quantized", "dequantized"):
+            raise ValueError(f"kv_storage must be 'quantized' or 'dequantized', got {self.kv_storage!r}")
+        for name in ("async_scheduling", "profile_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        _sizes("token_buckets", self.token_buckets)
+        _sizes("request_buckets", self.request_buckets)
+        if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError(f"token_buckets must reach max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.request_buckets and self.request_buckets[-1] < self.max_num_seqs:
+            raise ValueError(f"request_buckets must reach max_num_seqs ({self.max_num_seqs})")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(cls.__dataclass_fields__)

@@ -1,0 +1,211 @@
+"""The engine core: the host loop that drives the scheduler and the model runner.
+
+One ``step()``:
+
+- synchronous: schedule(N) -> launch(N) -> wait -> reconcile(N);
+- asynchronous (engine.md §2.2): schedule(N+1) -> launch(N+1) -> reconcile(N). Step N+1 is queued
+  behind step N on the device before the host looks at N's tokens, so the device never waits for
+  the host while host work fits under the device time. Sampled ids stay on the device and feed
+  N+1 by slot; the host's view lags one step, and a request that finished in N (EOS, a stop string)
+  simply has its extra token from N+1 dropped. Outputs are identical either way.
+
+Requests are validated when added (``RequestError`` naming the field); nothing invalid reaches the
+scheduler, so a bad request never disturbs the running ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
+from deepinfer_jax.engine.request import Request
+from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
+from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.runner import ChunkSpec, ModelRunner, PendingStep, SampleSpec
+
+__all__ = ["EngineCore", "EngineStats"]
+
+
+@dataclass
+class EngineStats:
+    """Counters of the host loop (seconds are host wall-clock)."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    schedule_s: float = 0.0  # scheduling + building inputs + dispatching
+    reconcile_s: float = 0.0  # reading results, detokenizing, stop checks
+    wait_s: float = 0.0  # blocked on the device
+    device_s: float = 0.0  # estimated device time of the steps
+    predicted_ns: list = field(default_factory=list, repr=False)
+    measured_ns: list = field(default_factory=list, repr=False)
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.reconcile_s
+
+
+@dataclass
+class _InFlight:
+    plan: SchedulerOutput
+    pending: PendingStep
+    launched: float
+
+
+class EngineCore:
+    """Owns the scheduler, the runner and the requests of one engine instance."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, tokenizer: Tokenizer | None, eos_token_id: int,
+                 seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5) -> None:
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.eos_token_id, self.seed, self.async_scheduling = eos_token_id, seed, async_scheduling
+        self.max_logprobs = max_logprobs
+        self.vocab_size = runner.cfg.vocab_size
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        self._numbers = itertools.count()
+        self._inflight: _InFlight | None = None
+        self._last_ready = 0.0
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        return self.scheduler.cost_model
+
+    # ---- requests ----
+    def validate(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> list[int]:
+        """Raise ``RequestError`` unless the request can run; returns the prompt ids as ints."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and request_id in self.requests and not self.requests[request_id].finished:
+            raise RequestError("request_id", f"{request_id!r} is already running")
+        try:
+            ids = [int(i) for i in prompt_ids]
+        except (TypeError, ValueError):
+            raise RequestError("prompt_token_ids", "must be a sequence of integers") from None
+        if not ids:
+            raise RequestError("prompt", "the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise RequestError("prompt_token_ids", f"ids must lie in [0, {self.vocab_size}), got {bad[:5]}")
+        limit = self.scheduler.max_model_len
+        if len(ids) >= limit:
+            raise RequestError("prompt", f"{len(ids)} prompt tokens leave no room to generate within "
+                                         f"max_model_len={limit}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise RequestError("logprobs", f"at most {self.max_logprobs} (the engine's max_logprobs), "
+                                           f"got {params.logprobs}")
+        if params.stop_token_ids and any(i >= self.vocab_size for i in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"ids must lie in [0, {self.vocab_size})")
+        return ids
+
+    def add_request(self, prompt_ids, params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None, arrival: float | None = None) -> str:
+        ids = self.validate(prompt_ids, params, request_id)
+        number = next(self._numbers)
+        rid = str(number) if request_id is None else request_id
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        req = Request(rid, number, prompt, ids, params, detok, arrival)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or self._inflight is not None
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan.chunks:
+            launched = _InFlight(plan, self.runner.launch([self._spec(c) for c in plan.chunks]), time.perf_counter())
+            self.stats.steps += 1
+            self.stats.scheduled_tokens += plan.num_tokens
+        self.stats.preemptions += len(plan.preempted)
+        self.stats.schedule_s += time.perf_counter() - t0
+        finished = []
+        if self.async_scheduling:
+            if self._inflight is not None:
+                finished = self._reconcile(self._inflight)
+            self._inflight = launched
+        elif launched is not None:
+            finished = self._reconcile(launched)
+        return finished
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step still in flight (asynchronous mode) without scheduling a new one."""
+        step, self._inflight = self._inflight, None
+        return self._reconcile(step) if step is not None else []
+
+    def _spec(self, c) -> ChunkSpec:
+        r, p = c.request, c.request.params
+        sample = None
+        if c.sample:
+            seeded = p.seed is not None
+            sample = SampleSpec(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                seed=p.seed if seeded else self.seed, stream=0 if seeded else r.number,
+                                position=c.start + c.num_tokens - len(r.prompt_ids))
+        ids = [0] if c.feed_last else r.known_tokens(c.start, c.start + c.num_tokens)
+        return ChunkSpec(slot=r.slot, block_table=r.blocks.block_ids, ctx_len=c.start, token_ids=ids, sample=sample,
+                         feed_last=c.feed_last)
+
+    def _reconcile(self, step: _InFlight) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        results = step.pending.result()
+        ready = time.perf_counter()
+        self.stats.wait_s += ready - t0
+        device_ns = (ready - max(step.launched, self._last_ready)) * 1e9
+        self._last_ready = ready
+        self.stats.device_s += device_ns / 1e9
+        if step.plan.predicted_ns is not None:
+            self.stats.predicted_ns.append(step.plan.predicted_ns)
+            self.stats.measured_ns.append(device_ns)
+        if self.cost_model is not None:
+            self.cost_model.observe(step.plan.shape(), device_ns)
+        finished = []
+        for chunk, res in zip(step.plan.chunks, results):
+            r = chunk.request
+            r.inflight -= 1
+            if res is None or r.finished:
+                continue
+            r.num_pending -= 1
+            if self._accept(r, *res, ready):
+                finished.append(r.to_output())
+        self.stats.reconcile_s += time.perf_counter() - ready
+        return finished
+
+    def _accept(self, r: Request, token: int, logprob: float, top_ids, top_lps, now: float) -> bool:
+        """Append one sampled token; True when it finished the request."""
+        p = r.params
+        r.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        if r.first_token_time is None:
+            r.first_token_time = now
+        if r.logprobs is not None:
+            k = p.logprobs
+            r.logprobs.append(TokenLogprobs(token, logprob, {int(i): float(v) for i, v in zip(top_ids[:k], top_lps[:k])}))
+        stop_str = r.detok.push(token)
+        reason = stop_reason = None
+        if p.stop_token_ids and token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif token == self.eos_token_id and not p.ignore_eos:
+            reason = "stop"
+        elif stop_str is not None:
+            reason, stop_reason = "stop", stop_str
+        elif (p.max_tokens is not None and len(r.output_ids) >= p.max_tokens) or \
+                len(r.prompt_ids) + len(r.output_ids) >= self.scheduler.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        r.finished_time = now
+        self.scheduler.finish(r, reason, stop_reason)
+        return True

@@ -1,0 +1,58 @@
+"""The start-up profiling pass that fits the step-time ``CostModel`` (engine.md §2.1).
+
+Runs a short grid of synthetic steps (prefill chunks of several sizes after several cached
+lengths, and decode batches) on the real runner before any request arrives, times each, and fits
+the model. The synthetic steps write garbage into free blocks and slots; that is harmless because
+a request only ever reads cache rows it wrote itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.runner import ChunkSpec, ModelRunner, SampleSpec
+
+__all__ = ["profile_cost_model", "profile_grid"]
+
+
+def profile_grid(max_tokens: int, max_model_len: int, max_seqs: int) -> list[list[tuple[int, int]]]:
+    """Step shapes [(q, c) per chunk] to time: prefill chunks and decode batches."""
+    qs = sorted({1, max(1, max_tokens // 8), max(1, max_tokens // 4), max(1, max_tokens // 2), max_tokens})
+    cs = sorted({0, max_model_len // 4, max_model_len // 2, max(0, max_model_len - max_tokens - 1)})
+    steps = [[(q, c)] for q in qs for c in cs if c + q < max_model_len]
+    for k in sorted({2, max(2, max_seqs // 2), max_seqs}):
+        if k <= max_seqs:
+            for c in cs[:3]:
+                steps.append([(1, c)] * k)
+                steps.append([(1, c)] * (k - 1) + [(max(1, (max_tokens - k) // 2), c)])
+    return [s for s in steps if sum(q for q, _ in s) <= max_tokens and len(s) <= max_seqs]
+
+
+def profile_cost_model(runner: ModelRunner, *, max_tokens: int, max_model_len: int, max_seqs: int,
+                       repeats: int = 2, progress=None) -> tuple[CostModel, list, list]:
+    """Time every ``profile_grid`` step (best of ``repeats``) and fit a ``CostModel``.
+
+    Returns (model, steps, times_ns); ``progress(i, total)`` is called per step shape.
+    """
+    cc = runner.cache_cfg
+    steps = profile_grid(max_tokens, max_model_len, max_seqs)
+    times = []
+    for n, shape in enumerate(steps):
+        chunks = []
+        for slot, (q, c) in enumerate(shape):
+            nb = math.ceil((c + q) / cc.block_size)
+            table = [(slot * nb + b) % cc.num_blocks for b in range(nb)]
+            chunks.append(ChunkSpec(slot=slot, block_table=table, ctx_len=c, token_ids=[1] * q, sample=SampleSpec()))
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.launch(chunks).result()
+            best = min(best, time.perf_counter() - t0)
+        times.append(best * 1e9)
+        if progress is not None:
+            progress(n + 1, len(steps))
+    model = CostModel()
+    model.fit(steps, times)
+    return model, steps, times

@@ -1,0 +1,81 @@
+"""One request's host-side state: tokens, progress through the cache, lifetime, output."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from deepinfer_jax.cache import RequestBlocks
+from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from deepinfer_jax.engine.sampling_params import SamplingParams
+
+__all__ = ["Request", "Status"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A request as the scheduler sees it.
+
+    ``num_computed`` counts tokens whose KV is in the cache *or being written by a launched step*;
+    ``num_pending`` counts sampled tokens still on the device (asynchronous scheduling: the host
+    learns them one step late), so the request's length is ``len(prompt) + len(output) + pending``.
+    """
+
+    def __init__(self, request_id: str, number: int, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams, detok: IncrementalDetokenizer, arrival: float | None = None) -> None:
+        self.request_id, self.number = request_id, number
+        self.prompt, self.prompt_ids, self.params = prompt, list(prompt_ids), params
+        self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.detok = detok
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.num_pending = 0
+        self.inflight = 0  # launched steps not yet reconciled that include this request
+        self.slot: int | None = None
+        self.blocks: RequestBlocks | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "
+                f"out={len(self.output_ids)}+{self.num_pending}, computed={self.num_computed})")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens, including those still on the device."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
+
+    def known_tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids [start, stop) of prompt + reconciled output."""
+        p = len(self.prompt_ids)
+        return (self.prompt_ids[start:stop] if stop <= p
+                else self.prompt_ids[start:p] + self.output_ids[max(0, start - p) : stop - p])
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(index=0, text=self.detok.text, token_ids=list(self.output_ids),
+                                      finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                      logprobs=None if self.logprobs is None else list(self.logprobs))
+        metrics = RequestMetrics(self.arrival, self.first_token_time, self.finished_time, len(self.output_ids),
+                                 self.num_preemptions)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], self.finished,
+                             self.num_cached_tokens, metrics)

@@ -1,0 +1,187 @@
+"""Continuous batching over the paged cache with chunked prefill (engine.md §2.1, §2.2).
+
+Every step the scheduler walks the running requests in admission order, then admits waiting
+ones in arrival order, and gives each a chunk: a decode token, or the next piece of its prompt
+(or of a recomputed prompt + output after preemption). Chunk sizes come from
+
+- ``chunking="tokens"``: a fixed token budget per step (``max_num_batched_tokens``);
+- ``chunking="cost"``: a time budget per step in ns and the fitted ``CostModel``; each chunk takes
+  the largest q whose predicted cost fits what is left (decode tokens are always scheduled, and a
+  step that would otherwise be empty gets at least one token of progress).
+
+When a running request needs a block and none is free, the most recently admitted request is
+preempted: its blocks and slot go back and it returns to the head of the waiting queue, to be
+recomputed from its tokens (deterministic sampling makes the result identical). Admission is
+strictly first come first served: when the oldest waiting request does not fit, nothing behind it
+is admitted, so no request starves.
+
+Asynchronous scheduling: a request's newest token may still be on the device (``num_pending``);
+its decode chunk then takes that token from the device (``feed_last``). Tokens the host counts as
+computed include those of launched steps, so scheduling never waits for results.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from deepinfer_jax.cache import BlockPool, OutOfBlocks, RequestBlocks
+from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.request import Request, Status
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of ``request``; ``sample``: the chunk reaches the request's
+    end and samples its next token; ``feed_last``: its one token is still on the device."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+    feed_last: bool
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    predicted_ns: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def shape(self) -> list[tuple[int, int]]:
+        """[(q, c)] per chunk, the cost model's view of the step."""
+        return [(c.num_tokens, c.start) for c in self.chunks]
+
+
+class Scheduler:
+    """Host-only scheduling state: waiting queue, running list, block pool, slots."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, max_blocks_per_request: int, max_num_seqs: int,
+                 max_model_len: int, max_num_batched_tokens: int, chunking: str = "tokens",
+                 cost_model: CostModel | None = None, step_budget_ns: int | None = None) -> None:
+        if chunking == "cost" and (cost_model is None or step_budget_ns is None):
+            raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
+        self.pool = BlockPool(num_blocks)
+        self.block_size, self.max_blocks_per_request = block_size, max_blocks_per_request
+        # a request can never hold more than the whole pool (nor more than its table)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len, num_blocks * block_size, max_blocks_per_request * block_size)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunking, self.cost_model, self.step_budget_ns = chunking, cost_model, step_budget_ns
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.free_slots = collections.deque(range(max_num_seqs))
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step plan ----
+    def _wants(self, r: Request) -> int:
+        """Tokens the request could compute now (0 while its limit is reached and it awaits its finish)."""
+        p = r.params
+        if (p.max_tokens is not None and r.num_generated >= p.max_tokens) or r.num_tokens >= self.max_model_len:
+            return 0
+        return r.num_tokens - r.num_computed
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        tokens_left = self.max_num_batched_tokens
+        cost = self.chunking == "cost"
+        time_left = (self.step_budget_ns - self.cost_model.coef[0]) if cost else 0.0
+
+        def chunk_size(r: Request, want: int) -> int:
+            cap = min(want, tokens_left)
+            if want == 1 or not cost:
+                return cap
+            q = self.cost_model.largest_q(time_left, r.num_computed, cap)
+            return q if q > 0 or out.chunks else min(cap, 1)  # an empty step makes no progress
+
+        def take(r: Request, q: int) -> None:
+            nonlocal tokens_left, time_left
+            sample = r.num_computed + q == r.num_tokens
+            out.chunks.append(ScheduledChunk(r, r.num_computed, q, sample, r.num_pending > 0))
+            tokens_left -= q
+            if cost:
+                time_left -= self.cost_model.chunk_cost(q, r.num_computed)
+            r.num_computed += q
+            r.num_pending += sample
+            r.inflight += 1
+
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            want = self._wants(r)
+            q = chunk_size(r, want) if want else 0
+            if q == 0:
+                i += 1
+                continue
+            while True:
+                try:
+                    r.blocks.ensure_capacity(r.num_computed + q)
+                    break
+                except OutOfBlocks:
+                    victim = self.running[-1]
+                    self._preempt(victim, out)
+                    if victim is r:
+                        break
+            if r.status is Status.RUNNING:
+                take(r, q)
+                i += 1
+        while self.waiting and self.free_slots and tokens_left > 0:
+            r = self.waiting[0]
+            if r.inflight:  # preempted with a token still on the device: admit it after the result
+                break
+            q = chunk_size(r, r.num_tokens - r.num_computed)
+            if q == 0:
+                break
+            blocks = RequestBlocks(self.pool, self.max_blocks_per_request, self.block_size)
+            try:
+                blocks.ensure_capacity(q)
+            except OutOfBlocks:
+                break  # FCFS: nothing behind the oldest request jumps the queue
+            self.waiting.popleft()
+            r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
+            self.running.append(r)
+            take(r, q)
+        if cost and out.chunks:
+            out.predicted_ns = self.cost_model.predict(out.shape())
+        return out
+
+    def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+        self.running.remove(r)
+        self._release(r)
+        r.status, r.num_computed = Status.WAITING, 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+        out.preempted.append(r)
+
+    def _release(self, r: Request) -> None:
+        """Blocks and slot go back at once: later steps run after the in-flight ones on the device."""
+        if r.blocks is not None:
+            r.blocks.release()
+            r.blocks = None
+        if r.slot is not None:
+            self.free_slots.append(r.slot)
+            r.slot = None
+
+    def finish(self, r: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark ``r`` finished, free its resources, drop anything it still has on the device."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self._release(r)
+        r.status, r.finish_reason, r.stop_reason = Status.FINISHED, reason, stop_reason
+        r.num_pending = 0

@@ -1,0 +1,199 @@
+"""``LLM``: the offline facade, in the shape vLLM users know.
+
+    llm = LLM()                                   # the shipped checkpoint (checkpoints/small-random)
+    llm = LLM("path/to/hf_dir", max_num_seqs=16)   # a Hugging Face-format V4.1 directory
+    llm = LLM("tiny")                             # a preset config with seeded random weights
+    outs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0.7, max_tokens=32))
+
+Keyword settings map 1:1 onto ``EngineConfig`` fields. Start-up loads the weights, compiles every
+step bucket, and (``chunking="cost"``) fits the step-time model, from the disk cache when this
+configuration was profiled on this machine before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+from tqdm.auto import tqdm
+
+from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
+from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
+from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.profiling import profile_cost_model
+from deepinfer_jax.runner import Buckets, ModelRunner
+from deepinfer_jax.tokenizer import load_tokenizer
+
+__all__ = ["DEFAULT_CHECKPOINT", "LLM", "PRESETS"]
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "small-random"
+#: Preset names: a config with seeded random weights (``init_params(cfg, seed=0)``).
+PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
+_DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _load_model(model, dtype: str):
+    if model is None:
+        if not DEFAULT_CHECKPOINT.is_dir():
+            raise FileNotFoundError(f"the shipped checkpoint is missing: {DEFAULT_CHECKPOINT}")
+        model = DEFAULT_CHECKPOINT
+    if isinstance(model, str) and model in PRESETS:
+        from deepinfer_jax.params import init_params
+
+        cfg = PRESETS[model]()
+        return cfg, init_params(cfg, seed=0), None
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory")
+    from deepinfer_jax.checkpoint import load_hf_checkpoint
+
+    cfg, params = load_hf_checkpoint(path, dtype=dtype)
+    return cfg, params, path
+
+
+class LLM:
+    """An offline engine over one model. See the module docstring."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, params=None, config: ModelConfig | None = None,
+                 dtype: str = "float32", use_tqdm: bool = True, **settings) -> None:
+        unknown = sorted(set(settings) - set(EngineConfig.fields()))
+        if unknown:
+            raise TypeError(f"unknown engine settings {unknown}; see EngineConfig for the fields")
+        ec = EngineConfig(**settings)
+        if params is not None:
+            if config is None:
+                raise ValueError("config: pass the ModelConfig together with params")
+            cfg, ckpt = config, None
+        else:
+            cfg, params, ckpt = _load_model(model, dtype)
+        self.model_config, self.engine_config, self.params = cfg, ec, params
+        self.tokenizer = load_tokenizer(ckpt)
+
+        bs = ec.block_size
+        max_len = ec.max_model_len or min(cfg.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        mbpr = ec.max_blocks_per_request or math.ceil(max_len / bs)
+        max_len = min(max_len, mbpr * bs)
+        cache_cfg = CacheConfig(block_size=bs, num_blocks=ec.num_blocks or ec.max_num_seqs * mbpr,
+                                max_requests=ec.max_num_seqs, max_blocks_per_request=mbpr, storage=ec.kv_storage)
+        buckets = Buckets(tokens=ec.token_buckets or tuple(sorted({ec.max_num_seqs, ec.max_num_batched_tokens})),
+                          requests=ec.request_buckets or (ec.max_num_seqs,), blocks=(mbpr,))
+        self.max_model_len, self.cache_config, self.buckets = max_len, cache_cfg, buckets
+
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs)
+        with tqdm(total=len(buckets.shapes()), desc="compiling step buckets", disable=not use_tqdm) as bar:
+            self.runner.precompile(sampling=True, progress=lambda i, n: bar.update(1))
+        self.compile_s = time.perf_counter() - t0
+        cost_model = self._cost_model(use_tqdm) if ec.chunking == "cost" else None
+        scheduler = Scheduler(num_blocks=cache_cfg.num_blocks, block_size=bs, max_blocks_per_request=mbpr,
+                              max_num_seqs=ec.max_num_seqs, max_model_len=max_len,
+                              max_num_batched_tokens=ec.max_num_batched_tokens, chunking=ec.chunking,
+                              cost_model=cost_model, step_budget_ns=ec.step_budget_ns)
+        self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
+                                 seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
+
+    # ---- cost model ----
+    def _cost_model_path(self) -> Path:
+        root = Path(self.engine_config.cost_model_dir or Path.home() / ".cache" / "deepinfer_jax" / "cost_model")
+        dev = jax.devices()[0]
+        key = json.dumps([repr(self.model_config), repr(self.cache_config), repr(self.buckets), jax.__version__,
+                          dev.platform, dev.device_kind, platform.machine(), platform.node(), os.cpu_count()])
+        return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def _cost_model(self, use_tqdm: bool) -> CostModel:
+        ec = self.engine_config
+        path = self._cost_model_path()
+        if path.is_file():
+            try:
+                return CostModel.load(path)
+            except (ValueError, KeyError, OSError):
+                pass  # a damaged cache file: profile again
+        if not ec.profile_steps:  # a token-proportional guess, refitted online
+            per_token = ec.step_budget_ns / ec.max_num_batched_tokens
+            return CostModel((0.0, per_token, 0.0, 0.0))
+        with tqdm(desc="profiling step cost", disable=not use_tqdm) as bar:
+            def tick(i, n):
+                bar.total = n
+                bar.update(1)
+            model, steps, times = profile_cost_model(self.runner, max_tokens=ec.max_num_batched_tokens,
+                                                     max_model_len=self.max_model_len, max_seqs=ec.max_num_seqs,
+                                                     progress=tick)
+        model.save(path, {"steps": steps, "times_ns": times})
+        return model
+
+    # ---- generation ----
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        ``prompts``: a string, a list of strings, or ``{"prompt_token_ids": [...]}`` dicts (or a
+        list mixing them). Every request is validated before any runs; a ``RequestError`` names the
+        bad field and the prompt's index.
+        """
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise RequestError("sampling_params", f"{len(params)} given for {len(items)} prompts")
+        requests = []
+        for i, (item, sp) in enumerate(zip(items, params)):
+            try:
+                text, ids = self._prompt(item)
+                ids = self.engine.validate(ids, sp)
+            except RequestError as e:
+                raise RequestError(f"prompts[{i}].{e.field}", str(e).split(": ", 1)[1]) from None
+            requests.append((text, ids, sp))
+        rids = [self.engine.add_request(ids, sp, prompt=text) for text, ids, sp in requests]
+        wanted, done = set(rids), {}
+        with tqdm(total=len(rids), desc="generating", disable=not use_tqdm) as bar:
+            while wanted - done.keys():
+                for out in self.engine.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+                if not self.engine.has_unfinished and wanted - done.keys():
+                    raise RuntimeError(f"engine stopped with unfinished requests {sorted(wanted - done.keys())}")
+        for rid in rids:
+            self.engine.requests.pop(rid, None)
+        return [done[rid] for rid in rids]
+
+    def _prompt(self, item) -> tuple[str | None, list[int]]:
+        if isinstance(item, str):
+            if not item:
+                raise RequestError("prompt", "the prompt is empty")
+            ids = self.tokenizer.encode(item, add_special_tokens=False).ids
+            return item, [self.model_config.bos_token_id, *ids]
+        if isinstance(item, dict):
+            if "prompt_token_ids" not in item:
+                raise RequestError("prompt", "a dict prompt needs 'prompt_token_ids'")
+            ids = item["prompt_token_ids"]
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise RequestError("prompt_token_ids", "must be a list of integers")
+            return item.get("prompt"), list(ids)
+        raise RequestError("prompt", f"must be a string or a {{'prompt_token_ids': [...]}} dict, got "
+                                     f"{type(item).__name__}")
+
+    @property
+    def stats(self) -> dict:
+        """Engine counters, and the cost model's mean relative prediction error."""
+        s = self.engine.stats
+        cm = self.engine.cost_model
+        return {"steps": s.steps, "scheduled_tokens": s.scheduled_tokens, "generated_tokens": s.generated_tokens,
+                "preemptions": s.preemptions, "host_s": s.host_s, "wait_s": s.wait_s, "device_s": s.device_s,
+                "compile_s": self.compile_s,
+                "cost_model_error": None if cm is None else cm.mean_relative_error,
+                "cost_model_coef_ns": None if cm is None else cm.coef.tolist()}
