@@ -1,0 +1,154 @@
+"""The engine end to end on the tiny config: greedy equals a ``forward_full`` argmax loop, batch
+invariance, async on/off, the jitted ``generate``, logprobs, bad input."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from test_paged_step import CFG, robust_params
+
+from deepinfer_jax import LLM, RequestError, SamplingParams, forward_full, generate
+
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def params():
+    return robust_params()
+
+
+@pytest.fixture(scope="module")
+def llm(params):
+    return LLM(config=CFG, params=params, max_num_seqs=32, max_num_batched_tokens=64, token_buckets=(32, 64),
+               block_size=16, max_model_len=MAX_LEN, chunking="tokens", use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def fwd():
+    return jax.jit(forward_full, static_argnums=1)
+
+
+def _prompts(seed, n, lo=2, hi=60):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, CFG.vocab_size, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _run(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_greedy_equals_a_forward_full_argmax_loop(llm, params, fwd):
+    prompts = _prompts(0, 5)
+    n_new = 8
+    traces = llm.runner.traces
+    outs = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        seq = list(p)
+        for _ in range(n_new):
+            padded = np.zeros((1, MAX_LEN), np.int32)
+            padded[0, : len(seq)] = seq  # causal: the padding after the sequence changes nothing
+            seq.append(int(np.argmax(np.asarray(fwd(params, CFG, padded))[0, len(seq) - 1])))
+        assert o.outputs[0].token_ids == seq[len(p):]
+        assert o.outputs[0].finish_reason == "length" and o.prompt_token_ids == p
+        assert o.metrics.ttft is not None and o.metrics.ttft >= 0
+    assert llm.runner.traces == traces, "the engine recompiled after start-up"
+
+
+def test_batch_invariance_alone_and_in_shuffled_batches(llm):
+    prompts = _prompts(1, 32)
+    rng = np.random.default_rng(2)
+    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(3, 12)), ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, seed=i, max_tokens=int(rng.integers(3, 12)),
+                             ignore_eos=True)
+              for i in range(32)]
+    alone = [_ids(_run(llm, [p], sp))[0] for p, sp in zip(prompts, params)]
+    assert len({tuple(a) for a in alone}) == 32
+    for size in (2, 7, 32):
+        order = rng.permutation(32)[:size]
+        got = _ids(_run(llm, [prompts[i] for i in order], [params[i] for i in order]))
+        assert got == [alone[i] for i in order], f"batch of {size}"
+
+
+def test_async_on_and_off_give_identical_outputs(llm):
+    prompts = _prompts(3, 12)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=10) for i in range(12)]
+    params[3] = SamplingParams(temperature=0.7, seed=3, max_tokens=10, stop_token_ids=list(range(0, 512, 3)))
+    results = []
+    for mode in (True, False):
+        llm.engine.async_scheduling = mode
+        try:
+            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in _run(llm, prompts, params)])
+        finally:
+            llm.engine.async_scheduling = True
+    assert results[0] == results[1]
+    assert results[0][3][1] == "stop"  # a request stopping early while others go on
+
+
+def test_jitted_generate_equals_the_engine(llm, params):
+    prompts = np.asarray(_prompts(4, 3, 20, 21))
+    gen = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
+    toks = np.asarray(gen(params, CFG, prompts, jax.random.key(0), max_new_tokens=9, stop_at_eos=False))
+    want = _ids(_run(llm, prompts.tolist(), SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)))
+    assert toks.tolist() == want
+    sampled = np.asarray(gen(params, CFG, prompts, jax.random.key(1), max_new_tokens=9, temperature=1.0))
+    again = np.asarray(gen(params, CFG, prompts, jax.random.key(1), max_new_tokens=9, temperature=1.0))
+    assert sampled.tolist() == again.tolist() and sampled.tolist() != toks.tolist()
+
+
+def test_logprobs_match_the_model(llm, params, fwd):
+    p = _prompts(5, 1, 10, 11)[0]
+    out = _run(llm, [p], SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True))[0].outputs[0]
+    padded = np.zeros((1, MAX_LEN), np.int32)
+    seq = p + out.token_ids
+    padded[0, : len(seq)] = seq
+    logits = np.asarray(fwd(params, CFG, padded))[0].astype(np.float64)
+    for i, lp in enumerate(out.logprobs):
+        row = logits[len(p) - 1 + i]
+        ref = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert lp.token_id == out.token_ids[i] and abs(lp.logprob - ref[lp.token_id]) < 1e-4
+        assert list(lp.top) == list(np.argsort(-ref, kind="stable")[:3])
+        assert all(abs(v - ref[k]) < 1e-4 for k, v in lp.top.items())
+
+
+def test_bad_input_raises_before_anything_runs_and_leaves_running_requests_alone(llm):
+    prompts = _prompts(6, 3)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = _ids(_run(llm, prompts, sp))
+    engine = llm.engine
+    rids = [engine.add_request(p, sp) for p in prompts]
+    engine.step()
+    engine.step()
+    steps = engine.stats.steps
+    bad = [
+        ([{"prompt_token_ids": [5, 6]}, ""], "prompts[1].prompt"),
+        ([{"prompt_token_ids": [5] * MAX_LEN}], "prompts[0].prompt"),
+        ([{"prompt_token_ids": []}], "prompts[0].prompt"),
+        ([{"prompt_token_ids": [5, CFG.vocab_size]}], "prompts[0].prompt_token_ids"),
+        ([{"tokens": [5]}], "prompts[0].prompt"),
+        ([42], "prompts[0].prompt"),
+    ]
+    for prompts_bad, field in bad:
+        with pytest.raises(RequestError) as e:
+            llm.generate(prompts_bad, sp, use_tqdm=False)
+        assert e.value.field == field
+    with pytest.raises(RequestError, match="sampling_params"):
+        llm.generate([{"prompt_token_ids": [5]}] * 2, [sp], use_tqdm=False)
+    with pytest.raises(RequestError, match="logprobs"):
+        llm.generate([{"prompt_token_ids": [5]}], SamplingParams(logprobs=6), use_tqdm=False)
+    assert engine.stats.steps == steps, "a rejected request ran a step"
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+    assert [done[r].outputs[0].token_ids for r in rids] == want
+
+
+def test_unknown_engine_setting_is_named():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM("tiny", max_num_seq=3)
+    with pytest.raises(ValueError, match="chunking"):
+        LLM("tiny", chunking="fast")
