@@ -21,7 +21,7 @@ $(VENV)/.test: $(VENV)/.runtime
 	touch $@
 
 demo: $(VENV)/.runtime
-	$(PY) examples/forward.py
+	$(PY) examples/offline_inference.py
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
@@ -29,6 +29,7 @@ test: $(VENV)/.test
 bench: $(VENV)/.test
 	$(PY) benchmarks/forward.py
 	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/offline_throughput.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime

@@ -128,7 +128,7 @@ class LLM:
             model, steps, times = profile_cost_model(self.runner, max_tokens=ec.max_num_batched_tokens,
                                                      max_model_len=self.max_model_len, max_seqs=ec.max_num_seqs,
                                                      progress=tick)
-        model.save(path, {"steps": steps, "times_ns": times})
+        model.save(path, {"jax": jax.__version__, "device": jax.devices()[0].device_kind})
         return model
 
     # ---- generation ----

@@ -283,3 +283,23 @@ def test_sampling_params_validate_on_construction(kwargs, field):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field and isinstance(e.value, ValueError)
+
+
+def test_online_refit_stays_sane_on_look_alike_steps():
+    """A window of decode-only steps (sum q == sum q**2) cannot identify the coefficients alone;
+    the profiled base steps and the ridge prior keep the refit close to the truth."""
+    true = np.array([2e6, 1e5, 50.0, 200.0])
+
+    def t(s):
+        return float(true @ np.array([1, sum(q for q, _ in s), sum(q * c for q, c in s), sum(q * q for q, _ in s)]))
+
+    base = [[(q, c)] for q in (1, 16, 64, 128) for c in (0, 256, 1024)]
+    cm = CostModel(refit_every=8)
+    cm.fit(base, [t(s) for s in base], base=True)
+    rng = np.random.default_rng(5)
+    for _ in range(64):
+        s = [(1, int(rng.integers(0, 1024)))] * int(rng.integers(1, 8))
+        cm.observe(s, t(s) * (1 + 0.02 * rng.standard_normal()))
+    assert cm.num_refits >= 4
+    assert np.allclose(cm.coef, true, rtol=0.2), cm.coef
+    assert cm.mean_relative_error < 0.05

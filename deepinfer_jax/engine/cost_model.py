@@ -45,6 +45,7 @@ class CostModel:
         self._y: collections.deque = collections.deque(maxlen=window)
         self._errors: collections.deque = collections.deque(maxlen=window)
         self._refit_every, self._since = refit_every, 0
+        self._base: tuple[list, list] = ([], [])
         self.num_observed = 0
         self.num_refits = 0
 
@@ -72,17 +73,28 @@ class CostModel:
         return int(min(q_max, math.floor(q)))
 
     # ---- fitting ----
-    def fit(self, steps: Sequence[Sequence[tuple[int, int]]], times_ns: Sequence[float]) -> None:
-        """Least-squares fit with non-negative coefficients (an active-set loop over ``lstsq``)."""
+    def fit(self, steps: Sequence[Sequence[tuple[int, int]]], times_ns: Sequence[float], base: bool = False,
+            prior: np.ndarray | None = None) -> None:
+        """Least-squares fit with non-negative coefficients (an active-set loop over ``lstsq``).
+
+        ``base``: these are the profiled steps; they stay in every later online refit, so a window
+        of look-alike steps (decode only: sum q == sum q**2) cannot make the fit degenerate.
+        ``prior``: a weak ridge pull toward these coefficients for directions the data leaves open.
+        """
+        if base:
+            self._base = ([list(s) for s in steps], [float(t) for t in times_ns])
         X = np.stack([_features(s) for s in steps])
         y = np.asarray(times_ns, np.float64)
+        w = 1.0 / np.maximum(y, 1.0)  # relative least squares: every step counts alike whatever its length
+        A, b = X * w[:, None], y * w
+        if prior is not None:
+            lam = 1e-2 * np.sqrt(np.mean(A * A, axis=0)) + 1e-12
+            A, b = np.vstack([A, np.diag(lam)]), np.concatenate([b, lam * prior])
         active = np.ones(4, bool)
         coef = np.zeros(4)
         for _ in range(4):
             coef = np.zeros(4)
-            # relative least squares: every step counts alike whatever its length
-            w = 1.0 / np.maximum(y, 1.0)
-            coef[active] = np.linalg.lstsq(X[:, active] * w[:, None], y * w, rcond=None)[0]
+            coef[active] = np.linalg.lstsq(A[:, active], b, rcond=None)[0]
             if np.all(coef >= 0):
                 break
             active &= coef > 0
@@ -98,7 +110,7 @@ class CostModel:
         self.num_observed += 1
         self._since += 1
         if self._since >= self._refit_every and len(self._y) >= 8:
-            self.fit(list(self._X), list(self._y))
+            self.fit(self._base[0] + list(self._X), self._base[1] + list(self._y), prior=self.coef)
             self._since = 0
             self.num_refits += 1
 
@@ -109,10 +121,14 @@ class CostModel:
 
     # ---- persistence ----
     def save(self, path: str | Path, meta: dict | None = None) -> None:
+        """JSON with the coefficients and the profiled steps (the base of later refits)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"coef": self.coef.tolist(), "meta": meta or {}}, indent=1))
+        data = {"coef": self.coef.tolist(), "steps": self._base[0], "times_ns": self._base[1], "meta": meta or {}}
+        Path(path).write_text(json.dumps(data))
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> CostModel:
         data = json.loads(Path(path).read_text())
-        return cls(data["coef"], **kwargs)
+        model = cls(data["coef"], **kwargs)
+        model._base = ([[tuple(c) for c in s] for s in data.get("steps", [])], list(data.get("times_ns", [])))
+        return model

@@ -54,5 +54,5 @@ def profile_cost_model(runner: ModelRunner, *, max_tokens: int, max_model_len: i
         if progress is not None:
             progress(n + 1, len(steps))
     model = CostModel()
-    model.fit(steps, times)
+    model.fit(steps, times, base=True)
     return model, steps, times

@@ -87,12 +87,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the step plan ----
+    def _limit_reached(self, r: Request) -> bool:
+        """max_tokens or the context limit is reached, counting tokens still on the device."""
+        p = r.params
+        return (p.max_tokens is not None and r.num_generated >= p.max_tokens) or r.num_tokens >= self.max_model_len
+
     def _wants(self, r: Request) -> int:
         """Tokens the request could compute now (0 while its limit is reached and it awaits its finish)."""
-        p = r.params
-        if (p.max_tokens is not None and r.num_generated >= p.max_tokens) or r.num_tokens >= self.max_model_len:
-            return 0
-        return r.num_tokens - r.num_computed
+        return 0 if self._limit_reached(r) else r.num_tokens - r.num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -118,6 +120,11 @@ class Scheduler:
             r.num_pending += sample
             r.inflight += 1
 
+        for r in [r for r in self.running if r.num_pending and self._limit_reached(r)]:
+            # certain to finish once its last token is reconciled: free its slot and blocks now
+            # (the device runs later steps after the one still writing them)
+            self.running.remove(r)
+            self._release(r)
         i = 0
         while i < len(self.running):
             r = self.running[i]

@@ -7,11 +7,14 @@ with ``jax.random.fold_in``; the engine passes the request's seed, its stream id
 the output token being sampled.
 
 Sampling is the Gumbel-max trick on the filtered, temperature-scaled logits, which draws exactly
-from the renormalised distribution ``softmax(logits / T)`` restricted to the kept tokens. The
-filters follow the usual conventions: ``top_k`` keeps the k largest logits (0 = off), ``top_p``
-keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (1 = off; the
-most likely token is always kept), ``min_p`` drops tokens whose probability is below ``min_p``
-times the largest one (0 = off). ``temperature == 0`` is greedy: the argmax (lowest id on ties).
+from the renormalised distribution ``softmax(logits / T)`` restricted to the kept tokens; the
+noise is indexed by token id, so a row's draw does not depend on which filters are active. The
+filters follow the usual conventions: ``top_k`` keeps the k most likely tokens (0 = off), ``top_p``
+keeps the most likely tokens whose mass reaches ``top_p`` (1 = off), ``min_p`` drops tokens whose
+probability is below ``min_p`` times the largest one (0 = off); the most likely token is always
+kept. Top-k and top-p are found as probability thresholds by bisection (no vocabulary sort), so a
+token tied with the boundary value is kept with it. ``temperature == 0`` is greedy: the argmax
+(lowest id on ties).
 
 Logprobs are those of the model's raw distribution ``log_softmax(logits)`` (before temperature
 and filters), for the chosen token and for the ``num_top`` most likely tokens.
@@ -19,6 +22,7 @@ and filters), for the chosen token and for the ``num_top`` most likely tokens.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -52,28 +56,62 @@ def row_key(seed: jax.Array, stream: jax.Array, position: jax.Array) -> jax.Arra
     return jax.random.fold_in(jax.random.fold_in(key, stream.astype(jnp.uint32)), position.astype(jnp.uint32))
 
 
-def _sample_row(logits_V, temperature, top_k, top_p, min_p, key):
+def _threshold_bits(p_bits, p, top_p, top_k):
+    """The largest float32 bit patterns ``tp``, ``tk`` with mass(p >= tp) >= top_p and count(p >= tk) >= top_k.
+
+    Probabilities are non-negative, so their int32 bit patterns order like the values: a 31-step
+    bisection over bit patterns finds each threshold exactly, with no sort of the vocabulary.
+    """
+
+    def body(_, carry):
+        lo_p, hi_p, lo_k, hi_k = carry
+        mid_p, mid_k = lo_p + (hi_p - lo_p + 1) // 2, lo_k + (hi_k - lo_k + 1) // 2
+        ok_p = jnp.sum(jnp.where(p_bits >= mid_p, p, 0.0)) >= top_p
+        ok_k = jnp.sum((p_bits >= mid_k).astype(jnp.int32)) >= top_k
+        return (jnp.where(ok_p, mid_p, lo_p), jnp.where(ok_p, hi_p, mid_p - 1),
+                jnp.where(ok_k, mid_k, lo_k), jnp.where(ok_k, hi_k, mid_k - 1))
+
+    top = jnp.max(p_bits)
+    zero = jnp.zeros((), jnp.int32)
+    lo_p, _, lo_k, _ = jax.lax.fori_loop(0, 31, body, (zero, top, zero, top))
+    return lo_p, lo_k
+
+
+def _sample_row(search, logits_V, temperature, top_k, top_p, min_p, key):
+    """One row: the filters as thresholds on the probabilities, then Gumbel-max in token order.
+
+    ``search`` (one flag for the whole batch) is False when no row uses top-p or top-k; the
+    threshold search is then skipped, which changes nothing for any row."""
     vocab = logits_V.shape[0]
     greedy = jnp.argmax(logits_V).astype(jnp.int32)
     t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits_V / t
-    order = jnp.argsort(-scaled, stable=True)  # descending, lowest id first on ties
-    sorted_l = scaled[order]
-    probs = jax.nn.softmax(sorted_l)
-    rank = jnp.arange(vocab)
-    keep = jnp.where(top_k > 0, rank < top_k, True)
-    mass_before = jnp.cumsum(probs) - probs
-    keep &= (mass_before < top_p) | (rank == 0)
-    keep &= probs >= min_p * probs[0]
+    p = jax.nn.softmax(scaled)
+    p_bits = jax.lax.bitcast_convert_type(p, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    tp, tk = jax.lax.cond(search, lambda: _threshold_bits(p_bits, p, top_p, jnp.where(top_k > 0, top_k, 1)),
+                          lambda: (zero, zero))
+    keep = (p_bits >= tp) | (top_p >= 1.0)
+    keep &= (p_bits >= tk) | (top_k <= 0)
+    keep &= p >= min_p * jnp.max(p)
+    keep |= jnp.arange(vocab) == greedy  # the most likely token is always allowed
     gumbel = jax.random.gumbel(key, (vocab,), jnp.float32)
-    pick = jnp.argmax(jnp.where(keep, sorted_l + gumbel, -jnp.inf))
-    sampled = order[pick].astype(jnp.int32)
+    sampled = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf)).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
 
 
 def sample_tokens(logits_RV, keys_R, temperature, top_k, top_p, min_p) -> jax.Array:
-    """One token id per row [R] (i32) of ``logits_RV`` [R, V], each row with its own key and settings [R]."""
-    return jax.vmap(_sample_row)(logits_RV.astype(jnp.float32), temperature, top_k, top_p, min_p, keys_R)
+    """One token id per row [R] (i32) of ``logits_RV`` [R, V], each row with its own key and settings [R].
+
+    An all-greedy batch skips the stochastic path (its rows would take the argmax anyway)."""
+    logits_RV = logits_RV.astype(jnp.float32)
+    search = jnp.any((top_p < 1.0) | (top_k > 0))
+
+    def stochastic():
+        return jax.vmap(partial(_sample_row, search))(logits_RV, temperature, top_k, top_p, min_p, keys_R)
+
+    return jax.lax.cond(jnp.any(temperature > 0), stochastic,
+                        lambda: jnp.argmax(logits_RV, axis=-1).astype(jnp.int32))
 
 
 def sample(logits_RV: jax.Array, s: SamplingInputs, num_top: int) -> Sampled:
