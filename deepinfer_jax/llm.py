@@ -74,7 +74,9 @@ class LLM:
         else:
             cfg, params, ckpt = _load_model(model, dtype)
         self.model_config, self.engine_config, self.params = cfg, ec, params
+        self.checkpoint_dir = ckpt
         self.tokenizer = load_tokenizer(ckpt)
+        self._prompt_tokenizer = self._parser_tokenizer = None
 
         bs = ec.block_size
         max_len = ec.max_model_len or min(cfg.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
@@ -186,6 +188,37 @@ class LLM:
             return item.get("prompt"), list(ids)
         raise RequestError("prompt", f"must be a string or a {{'prompt_token_ids': [...]}} dict, got "
                                      f"{type(item).__name__}")
+
+    # ---- the recipe layer ----
+    def chat(self, request, protocol: str = "chat") -> dict:
+        """A Chat Completions / Responses / Messages request (a dict or JSON text) -> the protocol's
+        response JSON. ``recipe.ConversionError`` (status 400) for a request the protocol rejects."""
+        from deepinfer_jax.chat import chat
+
+        return chat(self, request, protocol)
+
+    def chat_stream(self, request, protocol: str = "chat"):
+        """Like ``chat``, as an iterator of the protocol's stream events (``event.sse()``)."""
+        from deepinfer_jax.chat import chat_stream
+
+        return chat_stream(self, request, protocol)
+
+    @property
+    def prompt_tokenizer(self):
+        """The recipe's prompt encoder: the checkpoint's tokenizer.json, else the V4.1-compatible one."""
+        if self._prompt_tokenizer is None:
+            from deepinfer_jax import recipe
+
+            has_own = self.checkpoint_dir is not None and (Path(self.checkpoint_dir) / "tokenizer.json").is_file()
+            self._prompt_tokenizer = recipe.load_prompt_tokenizer(self.checkpoint_dir if has_own else None)
+        return self._prompt_tokenizer
+
+    @property
+    def parser_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` the streaming parser decodes with (same vocabulary as above)."""
+        if self._parser_tokenizer is None:
+            self._parser_tokenizer = load_tokenizer(self.checkpoint_dir, v41=True)
+        return self._parser_tokenizer
 
     @property
     def stats(self) -> dict:

@@ -116,6 +116,13 @@ class EngineCore:
         self.scheduler.add(req)
         return rid
 
+    def abort(self, request_id: str) -> None:
+        """End a request now (finish reason "abort"); a token still on the device is dropped."""
+        r = self.requests.get(request_id)
+        if r is not None and not r.finished:
+            r.finished_time = time.perf_counter()
+            self.scheduler.finish(r, "abort")
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
