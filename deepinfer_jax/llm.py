@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer_jax.cache.block_hash import extra_keys, model_fingerprint
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
@@ -97,12 +99,22 @@ class LLM:
             self.runner.precompile(sampling=True, progress=lambda i, n: bar.update(1))
         self.compile_s = time.perf_counter() - t0
         cost_model = self._cost_model(use_tqdm) if ec.chunking == "cost" else None
+        extra = extra_keys(self.fingerprint(), ec.cache_salt) if ec.enable_prefix_caching else None
         scheduler = Scheduler(num_blocks=cache_cfg.num_blocks, block_size=bs, max_blocks_per_request=mbpr,
                               max_num_seqs=ec.max_num_seqs, max_model_len=max_len,
                               max_num_batched_tokens=ec.max_num_batched_tokens, chunking=ec.chunking,
-                              cost_model=cost_model, step_budget_ns=ec.step_budget_ns)
+                              cost_model=cost_model, step_budget_ns=ec.step_budget_ns, prefix_extra=extra,
+                              ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries)
         self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
                                  seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
+
+    def fingerprint(self) -> bytes:
+        """The model fingerprint in every block digest: the config and every weight's bytes."""
+        if getattr(self, "_fingerprint", None) is None:
+            flat, _ = jax.tree_util.tree_flatten_with_path(self.params)
+            leaves = [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in flat]
+            self._fingerprint = model_fingerprint(self.model_config.to_hf_config(), leaves)
+        return self._fingerprint
 
     # ---- cost model ----
     def _cost_model_path(self) -> Path:

@@ -44,14 +44,23 @@ class BlockPool:
 
     A block is *free* (refcount 0, on the free list) or *used* (refcount >= 1, held by one or more
     request tables or caches). The free list is **FIFO**: ``allocate`` hands out the block that
-    has been free the longest, so a freed block's device contents survive as long as possible
-    (what a prefix cache layered on top wants). Initially blocks come out in id order.
+    has been free the longest, so a freed block's device contents survive as long as possible.
+    Initially blocks come out in id order.
+
+    Prefix cache (device tier, engine.md §1.1): a full block whose contents are final can be
+    ``register``-ed under its content digest. It stays indexed while used and after it is freed,
+    until ``allocate`` hands it out again (then it is evicted from the index): eviction is LRU over
+    unreferenced blocks only, and never touches a block in use. ``lookup`` finds the indexed blocks
+    of a digest chain; ``acquire`` takes a hold on one (reviving it from the free list if needed).
     """
 
     def __init__(self, num_blocks: int) -> None:
         self._num_blocks = _count("num_blocks", num_blocks, 1)
         self._refcount = [0] * self._num_blocks
-        self._free: collections.deque[int] = collections.deque(range(self._num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(self._num_blocks))  # insertion order = FIFO
+        self._by_digest: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
+        self.evictions = 0
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self._num_blocks}, free={self.free_count})"
@@ -83,10 +92,59 @@ class BlockPool:
         n = _count("n", n, 0)
         if n > len(self._free):
             raise OutOfBlocks(n, len(self._free))
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            b = next(iter(self._free))
+            del self._free[b]
             self._refcount[b] = 1
+            digest = self._digest_of.pop(b, None)
+            if digest is not None:  # its old contents are about to be overwritten
+                del self._by_digest[digest]
+                self.evictions += 1
+            out.append(b)
         return out
+
+    # ---- the prefix-cache index ----
+    @property
+    def num_cached(self) -> int:
+        """Blocks indexed by digest (used or free)."""
+        return len(self._by_digest)
+
+    def register(self, block_id: int, digest: bytes) -> bool:
+        """Index a used block's final contents under ``digest``; False (nothing changes) when the
+        digest is already indexed (another block holds the same contents) or the block has one."""
+        b = self._check_id(block_id)
+        if self._refcount[b] == 0:
+            raise ValueError(f"block_id: cannot register free block {b}")
+        if digest in self._by_digest or b in self._digest_of:
+            return False
+        self._by_digest[digest] = b
+        self._digest_of[b] = digest
+        return True
+
+    def lookup(self, digests: Iterable[bytes]) -> list[int]:
+        """The indexed blocks of the longest prefix of ``digests`` that is fully indexed."""
+        out = []
+        for d in digests:
+            b = self._by_digest.get(d)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take one hold on each indexed block, reviving free ones (they leave the free list)."""
+        ids = [self._check_id(b) for b in block_ids]
+        missing = [b for b in ids if b not in self._digest_of]
+        if missing:
+            raise ValueError(f"block_ids: blocks {missing} are not indexed")
+        for b in ids:
+            if self._refcount[b] == 0:
+                del self._free[b]
+            self._refcount[b] += 1
+
+    def digest_of(self, block_id: int) -> bytes | None:
+        return self._digest_of.get(self._check_id(block_id))
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one holder to each listed block (a repeated id counts once per occurrence).
@@ -118,7 +176,7 @@ class BlockPool:
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
                 freed.append(b)
-        self._free.extend(freed)
+        self._free.update(dict.fromkeys(freed))
         return freed
 
     def _check_id(self, block_id: Any) -> int:
@@ -183,6 +241,15 @@ class RequestBlocks:
         new = self._pool.allocate(missing)
         self._blocks.extend(new)
         return new
+
+    def adopt(self, block_ids: Iterable[int]) -> None:
+        """Append blocks the caller already holds (prefix-cache hits taken with ``BlockPool.acquire``);
+        the table takes over that hold. ValueError naming ``block_ids`` past the table's width."""
+        ids = list(block_ids)
+        if len(self._blocks) + len(ids) > self._max_blocks:
+            raise ValueError(f"block_ids: {len(self._blocks) + len(ids)} blocks exceed max_blocks_per_request "
+                             f"{self._max_blocks}")
+        self._blocks.extend(ids)
 
     def release(self) -> list[int]:
         """Drop this table's hold on all its blocks (idempotent); return the blocks that became

@@ -50,6 +50,9 @@ class EngineConfig:
         seed: the engine seed for requests without their own.
         max_logprobs: most top logprobs a request may ask for.
         token_buckets / request_buckets: step shapes compiled at start-up (None = derived).
+        enable_prefix_caching: reuse the KV blocks and SWA windows of earlier requests (engine.md §1).
+        cache_salt: mixed into every block digest (separates tenants sharing a store).
+        swa_snapshot_entries: SWA window snapshots kept in host memory (LRU).
     """
 
     max_num_seqs: int = 8
@@ -68,6 +71,9 @@ class EngineConfig:
     max_logprobs: int = 5
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
+    enable_prefix_caching: bool = True
+    cache_salt: str | None = None
+    swa_snapshot_entries: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
@@ -78,7 +84,11 @@ class EngineConfig:
             raise ValueError(f"chunking must be one of {CHUNKING_MODES}, got {self.chunking!r}")
         if self.kv_storage not in ("quantized", "dequantized"):
             raise ValueError(f"kv_storage must be 'quantized' or 'dequantized', got {self.kv_storage!r}")
-        for name in ("async_scheduling", "profile_steps"):
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
+        if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
+            raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
+        for name in ("async_scheduling", "profile_steps", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:

@@ -57,6 +57,7 @@ class _InFlight:
     plan: SchedulerOutput
     pending: PendingStep
     launched: float
+    snapshots: list = field(default_factory=list)  # (request, position, device arrays) to save
 
 
 class EngineCore:
@@ -121,7 +122,7 @@ class EngineCore:
         r = self.requests.get(request_id)
         if r is not None and not r.finished:
             r.finished_time = time.perf_counter()
-            self.scheduler.finish(r, "abort")
+            self._finish(r, "abort")
 
     @property
     def has_unfinished(self) -> bool:
@@ -134,7 +135,14 @@ class EngineCore:
         plan = self.scheduler.schedule()
         launched = None
         if plan.chunks:
+            for c in plan.chunks:  # prefix-cache hits: their saved windows go into their slots first
+                if c.request.restore is not None:
+                    pos, snap = c.request.restore
+                    self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos))
+                    c.request.restore = None
             launched = _InFlight(plan, self.runner.launch([self._spec(c) for c in plan.chunks]), time.perf_counter())
+            if self.scheduler.prefix is not None:
+                self._take_snapshots(launched)
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
         self.stats.preemptions += len(plan.preempted)
@@ -152,6 +160,25 @@ class EngineCore:
         """Finish the step still in flight (asynchronous mode) without scheduling a new one."""
         step, self._inflight = self._inflight, None
         return self._reconcile(step) if step is not None else []
+
+    def _take_snapshots(self, step: _InFlight) -> None:
+        """Copy windows on the device right behind the step: at the prefill point P (saved when the
+        step is reconciled) and at each block boundary a request reaches (the latest kept per
+        request, saved when it ends)."""
+        bs = self.scheduler.block_size
+        for c in step.plan.chunks:
+            r, end = c.request, c.start + c.num_tokens
+            if end in r.snapshot_points:
+                step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot)))
+                r.snapshot_points.remove(end)
+            elif end % bs == 0 and c.start >= len(r.prompt_ids):
+                r.swa_copy = (end, self.runner.snapshot_swa(r.slot))
+
+    def _save_snapshot(self, r: Request, position: int, arrays) -> None:
+        prefix = self.scheduler.prefix
+        digest = prefix.digest_at(r, position)
+        if digest is not None and digest not in prefix.snapshots:
+            prefix.snapshots.put(digest, self.runner.to_host(arrays))
 
     def _spec(self, c) -> ChunkSpec:
         r, p = c.request, c.request.params
@@ -178,6 +205,8 @@ class EngineCore:
             self.stats.measured_ns.append(device_ns)
         if self.cost_model is not None:
             self.cost_model.observe(step.plan.shape(), device_ns)
+        for r, pos, arrays in step.snapshots:
+            self._save_snapshot(r, pos, arrays)
         finished = []
         for chunk, res in zip(step.plan.chunks, results):
             r = chunk.request
@@ -214,5 +243,11 @@ class EngineCore:
         if reason is None:
             return False
         r.finished_time = now
-        self.scheduler.finish(r, reason, stop_reason)
+        self._finish(r, reason, stop_reason)
         return True
+
+    def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
+        if r.swa_copy is not None and self.scheduler.prefix is not None:
+            self._save_snapshot(r, *r.swa_copy)
+        r.swa_copy = None
+        self.scheduler.finish(r, reason, stop_reason)

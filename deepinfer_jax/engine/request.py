@@ -47,6 +47,12 @@ class Request:
         self.finished_time: float | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0
+        # prefix cache
+        self.digests: list[bytes] = []  # of full blocks of known tokens
+        self.registered = 0  # blocks indexed in the pool
+        self.snapshot_points: list[int] = []  # prefill positions whose windows are still to be saved
+        self.swa_copy = None  # (position, device arrays): the latest decode boundary's window
+        self.restore = None  # (position, snapshot) to put into the slot before the next step
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from deepinfer_jax.cache import BlockPool, OutOfBlocks, RequestBlocks
 from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.prefix_cache import PrefixCache
 from deepinfer_jax.engine.request import Request, Status
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
@@ -64,7 +65,8 @@ class Scheduler:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_blocks_per_request: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, chunking: str = "tokens",
-                 cost_model: CostModel | None = None, step_budget_ns: int | None = None) -> None:
+                 cost_model: CostModel | None = None, step_budget_ns: int | None = None,
+                 prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256) -> None:
         if chunking == "cost" and (cost_model is None or step_budget_ns is None):
             raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
         self.pool = BlockPool(num_blocks)
@@ -78,6 +80,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = collections.deque(range(max_num_seqs))
         self.num_preemptions = 0
+        from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
+
+        #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
+        self.prefix = None if prefix_extra is None else PrefixCache(self.pool, block_size, ring_rows, prefix_extra,
+                                                                    SwaSnapshotStore(swa_snapshot_entries))
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -104,6 +111,9 @@ class Scheduler:
 
         def chunk_size(r: Request, want: int) -> int:
             cap = min(want, tokens_left)
+            nxt = next((p for p in r.snapshot_points if p > r.num_computed), 0)
+            if nxt:  # prefill stops at each snapshot point to save the window there
+                cap = min(cap, nxt - r.num_computed)
             if want == 1 or not cost:
                 return cap
             q = self.cost_model.largest_q(time_left, r.num_computed, cap)
@@ -149,26 +159,50 @@ class Scheduler:
             r = self.waiting[0]
             if r.inflight:  # preempted with a token still on the device: admit it after the result
                 break
+            blocks = RequestBlocks(self.pool, self.max_blocks_per_request, self.block_size)
+            hit, cached = self._match(r)  # also sets the prefill snapshot points, which cut chunks
+            if hit:
+                self.pool.acquire(cached)
+                blocks.adopt(cached)
+                r.num_computed, r.registered = hit, len(cached)
             q = chunk_size(r, r.num_tokens - r.num_computed)
             if q == 0:
+                blocks.release()
+                r.num_computed = r.registered = 0
                 break
-            blocks = RequestBlocks(self.pool, self.max_blocks_per_request, self.block_size)
             try:
-                blocks.ensure_capacity(q)
+                blocks.ensure_capacity(r.num_computed + q)
             except OutOfBlocks:
+                blocks.release()
+                r.num_computed = r.registered = 0
                 break  # FCFS: nothing behind the oldest request jumps the queue
             self.waiting.popleft()
+            if hit:
+                r.restore = (hit, self.prefix.snapshot_for(r, hit))
+                r.num_cached_tokens = r.num_cached_tokens or hit
             r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
             self.running.append(r)
             take(r, q)
         if cost and out.chunks:
             out.predicted_ns = self.cost_model.predict(out.shape())
+        if self.prefix is not None:
+            for c in out.chunks:
+                self.prefix.register(c.request)
         return out
+
+    def _match(self, r: Request) -> tuple[int, list[int]]:
+        """(hit length, cached blocks) for a request starting from scratch; sets its snapshot point."""
+        if self.prefix is None:
+            return 0, []
+        decision, cached = self.prefix.match(r)
+        r.snapshot_points = [p for p in self.prefix.snapshot_positions(r)
+                             if p > decision.length and self.prefix.digest_at(r, p) not in self.prefix.snapshots]
+        return decision.length, cached
 
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
         self.running.remove(r)
         self._release(r)
-        r.status, r.num_computed = Status.WAITING, 0
+        r.status, r.num_computed, r.registered, r.restore = Status.WAITING, 0, 0, None
         r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)

@@ -95,6 +95,19 @@ def _sample_step(params, cfg, cache_cfg, num_top, cache, last_ids, feed, inputs,
     return out, cache, last_ids.at[sample_slot].set(out.token_ids, mode="drop")
 
 
+def _snapshot(cache, slot):
+    """The slot's SWA ring of every layer (a copy; [L, cap, ...] per storage leaf)."""
+    return jax.tree.map(lambda a: a[:, slot], cache["swa"])
+
+
+def _restore(cache, slot, rows, engram_ids):
+    """Write a saved ring into ``slot`` and set its Engram look-back to ``engram_ids`` [n-1]."""
+    cache = {**cache, "swa": jax.tree.map(lambda a, r: a.at[:, slot].set(r), cache["swa"], rows)}
+    if "engram" in cache:
+        cache["engram"] = cache["engram"].at[slot].set(engram_ids)
+    return cache
+
+
 class PendingStep:
     """A launched step; ``result()`` waits for the device and returns, per chunk in launch order,
     ``(token_id, logprob, top_ids, top_logprobs)`` or None for chunks that sampled nothing."""
@@ -127,6 +140,8 @@ class ModelRunner:
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._fn = jax.jit(_step, static_argnums=(1, 2), donate_argnums=(3,))
         self._sample_fn = jax.jit(_sample_step, static_argnums=(1, 2, 3), donate_argnums=(4, 5))
+        self._snapshot_fn = jax.jit(_snapshot)
+        self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
 
     @property
     def traces(self) -> int:
@@ -144,6 +159,25 @@ class ModelRunner:
                 self._run(self._inputs([], n, r, b))
             if progress is not None:
                 progress(i + 1, len(shapes))
+
+    def snapshot_swa(self, slot: int):
+        """Dispatch a copy of ``slot``'s SWA rings (all layers) as they are after the launched steps;
+        returns device arrays at once (``to_host`` fetches them)."""
+        return self._snapshot_fn(self.cache, np.int32(slot))
+
+    @staticmethod
+    def to_host(snapshot):
+        return jax.tree.map(np.asarray, snapshot)
+
+    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int]) -> None:
+        """Put a saved ring (from ``snapshot_swa``, on device or host) into ``slot`` before its next step,
+        with the Engram look-back (the n-1 token ids before the restored position, -1 for none)."""
+        n = self.cfg.engram_max_ngram_size - 1 if self.cfg.engram_layer_ids else 0
+        ids = np.full(max(n, 1), -1, np.int32)
+        if n:
+            tail = list(engram_ids)[-n:]
+            ids[n - len(tail):] = tail
+        self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, ids[:n] if n else ids)
 
     def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
         """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``)."""
