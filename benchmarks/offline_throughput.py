@@ -4,6 +4,8 @@
 
 One ``LLM`` (default: the shipped small checkpoint) serves every run, so all variants share the
 weights, the compiled buckets and the machine state; only the engine's settings switch between runs.
+The prefix cache is off here (the runs repeat the same prompts; ``benchmarks/prefix_cache.py`` is
+where hits are measured).
 
 1. Throughput: ``--requests`` requests with long-tailed (log-normal) prompt and output lengths,
    all submitted at once; output tokens/s, TTFT, and the host time on the critical path, with
@@ -93,7 +95,7 @@ def main() -> None:
 
     budget = 128
     llm = LLM(args.model, max_num_seqs=8, max_num_batched_tokens=budget, block_size=32, max_model_len=640,
-              chunking="cost", step_budget_ns=10**9, use_tqdm=False)
+              chunking="cost", step_budget_ns=10**9, use_tqdm=False, enable_prefix_caching=False)
     cm = llm.engine.cost_model
     sched = llm.engine.scheduler
     sched.step_budget_ns = int(cm.predict([(budget, 0)]))

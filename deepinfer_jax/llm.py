@@ -139,7 +139,7 @@ class LLM:
             def tick(i, n):
                 bar.total = n
                 bar.update(1)
-            model, steps, times = profile_cost_model(self.runner, max_tokens=ec.max_num_batched_tokens,
+            model, _steps, _times = profile_cost_model(self.runner, max_tokens=ec.max_num_batched_tokens,
                                                      max_model_len=self.max_model_len, max_seqs=ec.max_num_seqs,
                                                      progress=tick)
         model.save(path, {"jax": jax.__version__, "device": jax.devices()[0].device_kind})

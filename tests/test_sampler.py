@@ -34,7 +34,7 @@ def reference_probs(logits, temperature, top_k, top_p, min_p):
 def draw(logits, temperature, top_k, top_p, min_p, n=N):
     keys = jax.vmap(lambda i: row_key(jnp.uint32(7), jnp.uint32(3), i))(jnp.arange(n))
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, V))
-    full = lambda v, d: jnp.full(n, v, d)  # noqa: E731
+    full = lambda v, d: jnp.full(n, v, d)
     ids = jax.jit(sample_tokens)(rows, keys, full(temperature, jnp.float32), full(top_k, jnp.int32),
                                  full(top_p, jnp.float32), full(min_p, jnp.float32))
     return np.bincount(np.asarray(ids), minlength=V) / n

@@ -152,6 +152,8 @@ class ModelRunner:
         """Compile every bucket with all-padding inputs (they write nothing): the logits step, or
         with ``sampling`` the engine's sampling step. ``progress(i, total)`` is called per bucket."""
         shapes = self.buckets.shapes()
+        if sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
+            self.restore_swa(0, self.snapshot_swa(0), [])
         for i, (n, r, b) in enumerate(shapes):
             if sampling:
                 self._launch([], n, r, b).result()
