@@ -30,6 +30,8 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/forward.py
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/prefix_cache.py
+	$(PY) benchmarks/recipe.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime
