@@ -1,10 +1,10 @@
 """deepinfer-jax: DeepSeek's DeepInfer engine for the DeepSeek-V4.1-Flash architecture, in JAX."""
 
+from deepinfer_jax import recipe
 from deepinfer_jax.checkpoint import CheckpointError, load_hf_checkpoint, params_from_state_dict
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
 from deepinfer_jax.engine import CompletionOutput, RequestError, RequestOutput, SamplingParams
 from deepinfer_jax.llm import LLM
-from deepinfer_jax import recipe  # noqa: E402  (the request/response layer, pure Python)
 from deepinfer_jax.model.deepseek_v41 import forward_full
 from deepinfer_jax.model.generate import generate
 from deepinfer_jax.params import init_params
@@ -22,8 +22,8 @@ __all__ = [
     "forward_full",
     "generate",
     "init_params",
-    "recipe",
     "load_hf_checkpoint",
     "params_from_state_dict",
+    "recipe",
 ]
 __version__ = "0.1.0"

@@ -32,8 +32,8 @@ from deepinfer_jax.model.engram_consts import EngramLayerHash, hash_constants
 __all__ = [
     "EngramLayerHash",
     "compressed_token_map",
-    "default_token_map",
     "deepseek_v4_tokenizer_path",
+    "default_token_map",
     "hash_constants",
     "hash_ids_with_constants_np",
     "identity_token_map",

@@ -104,7 +104,8 @@ class LLM:
                               max_num_seqs=ec.max_num_seqs, max_model_len=max_len,
                               max_num_batched_tokens=ec.max_num_batched_tokens, chunking=ec.chunking,
                               cost_model=cost_model, step_budget_ns=ec.step_budget_ns, prefix_extra=extra,
-                              ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries)
+                              ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
+                              encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window)
         self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
                                  seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
 

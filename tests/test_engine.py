@@ -207,3 +207,41 @@ def test_a_request_shares_the_blocks_of_a_running_request(llm):
         done.update({o.request_id: o for o in eng.step()})
     eng.requests.pop(a), eng.requests.pop(b)
     assert _ids([done[b]]) == _ids(_cold(llm, [rb.prompt_ids], sp))
+
+
+def test_encoder_bounded_replay_reuses_blocks_and_caches_nothing(llm):
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, CFG.vocab_size, 75).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    prefix = llm.engine.scheduler.prefix
+    cold = _run(llm, [prompt], sp)[0]
+    blocks = prefix.pool.lookup(prefix.digests(_digest_req(prompt)))[:3]
+    before = jax.tree.map(lambda a: np.asarray(a)[np.asarray(blocks)], llm.runner.cache["global"])
+    prefix.snapshots._items.clear()  # the windows are gone: an exact hit is impossible
+    assert _run(llm, [prompt], sp)[0].num_cached_tokens == 0
+    prefix.encoder_replay = True
+    try:
+        # replaying the whole hit prefix is exact: the plumbing (reused blocks, no rewrites) is right
+        prefix.replay_tokens = 10**6
+        prefix.snapshots._items.clear()  # (the cold run above saved windows again)
+        full = _run(llm, [prompt], sp)[0]
+        assert full.num_cached_tokens == 48 and full.outputs[0].token_ids == cold.outputs[0].token_ids
+        assert max(abs(a[1] - b[1]) for a, b in zip(_lps(full), _lps(cold))) < 1e-5
+        # the bounded replay of one window: approximate, and nothing of it enters the cache
+        prefix.replay_tokens = CFG.sliding_window
+        assert len(prefix.snapshots) == 0  # the replayed request saved none
+        cached, snaps = prefix.pool.num_cached, len(prefix.snapshots)
+        approx = _run(llm, [prompt], sp)[0]
+        assert approx.num_cached_tokens == 48 and len(approx.outputs[0].token_ids) == 6
+        assert max(abs(a[1] - b[1]) for a, b in zip(_lps(approx), _lps(cold))) > 1e-4  # truncation is real
+        assert prefix.pool.num_cached == cached and len(prefix.snapshots) == snaps
+    finally:
+        prefix.encoder_replay, prefix.replay_tokens = False, CFG.sliding_window
+    after = jax.tree.map(lambda a: np.asarray(a)[np.asarray(blocks)], llm.runner.cache["global"])
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def _digest_req(prompt):
+    from deepinfer_jax.engine.request import Request
+
+    return Request("probe", 0, None, prompt, SamplingParams(), None)

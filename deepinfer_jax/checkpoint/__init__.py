@@ -15,7 +15,7 @@ import numpy as np
 
 from deepinfer_jax.checkpoint.loader import CheckpointError, load_hf_checkpoint_tree, tensors_to_tree
 
-__all__ = ["CheckpointError", "load_hf_checkpoint", "params_from_state_dict", "load_params", "save_params"]
+__all__ = ["CheckpointError", "load_hf_checkpoint", "load_params", "params_from_state_dict", "save_params"]
 
 
 def params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float32", token_map=None):

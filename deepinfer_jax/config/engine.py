@@ -53,6 +53,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV blocks and SWA windows of earlier requests (engine.md §1).
         cache_salt: mixed into every block digest (separates tenants sharing a store).
         swa_snapshot_entries: SWA window snapshots kept in host memory (LRU).
+        encoder_replay: when a hit's window is missing, rebuild it approximately by bounded replay of
+            the hit's last ``replay_tokens`` tokens (None = the sliding window) instead of hitting less
+            (engine.md §1.4); what such a request computes is never cached.
     """
 
     max_num_seqs: int = 8
@@ -74,6 +77,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
     swa_snapshot_entries: int = 256
+    encoder_replay: bool = False
+    replay_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
@@ -88,7 +93,8 @@ class EngineConfig:
             raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
         if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
             raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
-        for name in ("async_scheduling", "profile_steps", "enable_prefix_caching"):
+        _pos("replay_tokens", self.replay_tokens, optional=True)
+        for name in ("async_scheduling", "profile_steps", "enable_prefix_caching", "encoder_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:

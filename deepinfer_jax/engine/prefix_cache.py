@@ -22,8 +22,10 @@ class PrefixCache:
     """Digest bookkeeping over a ``BlockPool`` and a ``SwaSnapshotStore``."""
 
     def __init__(self, pool: BlockPool, block_size: int, ring_rows: int, extra: bytes,
-                 snapshots: SwaSnapshotStore | None = None) -> None:
+                 snapshots: SwaSnapshotStore | None = None, encoder_replay: bool = False,
+                 replay_tokens: int = 0) -> None:
         self.pool, self.block_size, self.ring_rows, self.extra = pool, block_size, ring_rows, extra
+        self.encoder_replay, self.replay_tokens = encoder_replay, replay_tokens
         self.snapshots = snapshots if snapshots is not None else SwaSnapshotStore()
         self.hits = self.hit_tokens = self.queried_tokens = 0
 
@@ -51,7 +53,8 @@ class PrefixCache:
         def has_swa(p: int) -> bool:
             return digests[p // self.block_size - 1] in self.snapshots
 
-        decision = hit_length(r.num_tokens, self.block_size, self.ring_rows, len(cached), has_swa)
+        decision = hit_length(r.num_tokens, self.block_size, self.ring_rows, len(cached), has_swa,
+                              encoder_replay=self.encoder_replay)
         self.queried_tokens += r.num_tokens
         return decision, cached[: decision.length // self.block_size]
 
@@ -60,7 +63,7 @@ class PrefixCache:
 
     def register(self, r: Request) -> None:
         """Index ``r``'s blocks whose KV is written (or being written) and whose tokens are known."""
-        if r.blocks is None:
+        if r.blocks is None or r.approximate:  # approximate states never enter the cache
             return
         known = len(r.prompt_ids) + len(r.output_ids)
         full = min(r.num_computed, known) // self.block_size

@@ -66,7 +66,8 @@ class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_blocks_per_request: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, chunking: str = "tokens",
                  cost_model: CostModel | None = None, step_budget_ns: int | None = None,
-                 prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256) -> None:
+                 prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256,
+                 encoder_replay: bool = False, replay_tokens: int = 0) -> None:
         if chunking == "cost" and (cost_model is None or step_budget_ns is None):
             raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
         self.pool = BlockPool(num_blocks)
@@ -83,8 +84,9 @@ class Scheduler:
         from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
 
         #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
-        self.prefix = None if prefix_extra is None else PrefixCache(self.pool, block_size, ring_rows, prefix_extra,
-                                                                    SwaSnapshotStore(swa_snapshot_entries))
+        self.prefix = None if prefix_extra is None else PrefixCache(
+            self.pool, block_size, ring_rows, prefix_extra, SwaSnapshotStore(swa_snapshot_entries),
+            encoder_replay=encoder_replay, replay_tokens=replay_tokens)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -165,20 +167,25 @@ class Scheduler:
                 self.pool.acquire(cached)
                 blocks.adopt(cached)
                 r.num_computed, r.registered = hit, len(cached)
+                if r.approximate:  # bounded replay of the hit's last tokens rebuilds the window
+                    r.num_computed = r.window_floor = max(0, hit - self.prefix.replay_tokens)
+                    r.write_from = hit
             q = chunk_size(r, r.num_tokens - r.num_computed)
             if q == 0:
                 blocks.release()
-                r.num_computed = r.registered = 0
+                r.num_computed = r.registered = r.window_floor = r.write_from = 0
+                r.approximate = False
                 break
             try:
                 blocks.ensure_capacity(r.num_computed + q)
             except OutOfBlocks:
                 blocks.release()
-                r.num_computed = r.registered = 0
+                r.num_computed = r.registered = r.window_floor = r.write_from = 0
+                r.approximate = False
                 break  # FCFS: nothing behind the oldest request jumps the queue
             self.waiting.popleft()
             if hit:
-                r.restore = (hit, self.prefix.snapshot_for(r, hit))
+                r.restore = (r.num_computed, None if r.approximate else self.prefix.snapshot_for(r, hit))
                 r.num_cached_tokens = r.num_cached_tokens or hit
             r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
             self.running.append(r)
@@ -195,14 +202,17 @@ class Scheduler:
         if self.prefix is None:
             return 0, []
         decision, cached = self.prefix.match(r)
-        r.snapshot_points = [p for p in self.prefix.snapshot_positions(r)
-                             if p > decision.length and self.prefix.digest_at(r, p) not in self.prefix.snapshots]
+        r.approximate = decision.approximate
+        r.snapshot_points = [] if r.approximate else [
+            p for p in self.prefix.snapshot_positions(r)
+            if p > decision.length and self.prefix.digest_at(r, p) not in self.prefix.snapshots]
         return decision.length, cached
 
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
         self.running.remove(r)
         self._release(r)
         r.status, r.num_computed, r.registered, r.restore = Status.WAITING, 0, 0, None
+        r.approximate, r.window_floor, r.write_from = False, 0, 0
         r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)

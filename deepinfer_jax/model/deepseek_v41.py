@@ -20,8 +20,8 @@ from flax import nnx
 from deepinfer_jax.model import mhc
 from deepinfer_jax.model.attention import Attention, GlobalState
 from deepinfer_jax.model.engram import Engram, Table
-from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.engram_consts import hash_constants
+from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
 

@@ -62,7 +62,8 @@ def generate(params, cfg, prompt_token_ids: jax.Array, key: jax.Array, max_new_t
     prefill = StepInputs(token_ids=ids.reshape(-1), positions=jnp.tile(jnp.arange(t, dtype=jnp.int32), batch),
                          token_req=jnp.repeat(rows, t), token_valid=jnp.ones(batch * t, bool), block_tables=tables,
                          req_slot=rows, req_start=rows * t, ctx_len=jnp.zeros(batch, jnp.int32),
-                         new_len=jnp.full(batch, t, jnp.int32), logit_rows=rows * t + t - 1)
+                         new_len=jnp.full(batch, t, jnp.int32), logit_rows=rows * t + t - 1,
+                         window_floor=jnp.zeros(batch, jnp.int32), global_write_from=jnp.zeros(batch, jnp.int32))
     logits, cache = paged_step(params, cfg, cc, init_cache(cfg, cc), prefill)
     first = pick(logits, 0)
     out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
@@ -73,7 +74,8 @@ def generate(params, cfg, prompt_token_ids: jax.Array, key: jax.Array, max_new_t
         pos = jnp.full(batch, t + i - 1, jnp.int32)
         step = StepInputs(token_ids=last, positions=pos, token_req=rows, token_valid=jnp.ones(batch, bool),
                           block_tables=tables, req_slot=rows, req_start=rows, ctx_len=pos, new_len=pos + 1,
-                          logit_rows=rows)
+                          logit_rows=rows, window_floor=jnp.zeros(batch, jnp.int32),
+                          global_write_from=jnp.zeros(batch, jnp.int32))
         logits, cache = paged_step(params, cfg, cc, cache, step)
         tok = pick(logits, i)
         done = done | (stop_at_eos & (last == cfg.eos_token_id))

@@ -47,7 +47,7 @@ class Experts(nnx.Module):
     """Routed experts stacked over the expert axis: w1/w3 [E, inter, d], w2 [E, d, inter]."""
 
     def __init__(self, d: int, inter: int, n_experts: int, *, rngs: nnx.Rngs, std: float):
-        normal = lambda shape: nnx.Param(jax.random.normal(rngs.params(), shape) * std)  # noqa: E731
+        normal = lambda shape: nnx.Param(jax.random.normal(rngs.params(), shape) * std)
         self.w1 = normal((n_experts, inter, d))
         self.w3 = normal((n_experts, inter, d))
         self.w2 = normal((n_experts, d, inter))

@@ -7,6 +7,10 @@ Engram look-back that earlier steps left in the cache, writes the new ones, and 
 of the ``logit_rows`` tokens. Per token it computes exactly what ``forward_full`` computes at that
 position (same ops, same row shapes), so any chunking reproduces the full forward.
 
+Bounded replay (engine.md §1.4): a request row may set ``window_floor`` (its tokens' windows see no
+position below it: attention truncated to the replayed segment) and ``global_write_from`` (its
+tokens below it write no block KV: the cached blocks are reused as they are, never overwritten).
+
 Padding: tokens with ``token_valid = False`` and request rows whose ``req_slot`` is out of range
 write nothing (scatters drop out-of-range indices). Validation of positions, block tables and
 bucket sizes happens on the host, before this function is called (``deepinfer_jax.runner``).
@@ -44,6 +48,8 @@ class StepInputs(NamedTuple):
     ctx_len: jax.Array  # [R] tokens already cached before this step
     new_len: jax.Array  # [R] ctx_len + this step's tokens of the request
     logit_rows: jax.Array  # [M] flat token indices whose logits are returned
+    window_floor: jax.Array | None = None  # [R] first position a window may see (bounded replay; None = 0)
+    global_write_from: jax.Array | None = None  # [R] positions below it write no block KV (reused; None = 0)
 
 
 class _Step(NamedTuple):
@@ -58,6 +64,8 @@ class _Step(NamedTuple):
     valid: jax.Array  # [N]
     quantized: bool
     cache_cfg: object
+    floor: jax.Array  # [N] first position the token's window may see
+    write_from: jax.Array  # [N] the token writes block KV only at or past this position
 
 
 class _Shared(NamedTuple):
@@ -120,7 +128,7 @@ def _window_keys(attn, layer, kv_new, cache, m: _Step):
     src = jnp.clip(m.idx[:, None] - (m.pos[:, None] - pk), 0, kv_new.shape[0] - 1)
     ring = kc.decode(kc.gather(cache["swa"], (layer, m.slot[:, None], jnp.mod(pk, cap))), "fp8", m.quantized)
     keys = jnp.where(in_step[..., None], kv_new[src], ring)
-    return keys, (pk >= 0) & m.valid[:, None]
+    return keys, (pk >= m.floor[:, None]) & m.valid[:, None]
 
 
 def _compress(attn, x_1Nd, cache, layer, m: _Step):
@@ -171,7 +179,7 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             i_stored, _ = _store(attn.indexer.keys(latent, c_angles, raw=True), "mxfp4", fake_quant_mxfp4, m,
                                  cfg.fake_quant)
             blk = tables[m.inp.token_req, (j * r) // bs]
-            done = m.valid & (jnp.mod(m.pos, r) == r - 1) & (blk >= 0)
+            done = m.valid & (jnp.mod(m.pos, r) == r - 1) & (blk >= 0) & (m.pos >= m.write_from)
             at = (jnp.where(done, blk, n_blocks), jnp.mod(j * r, bs) // r)
             glob = cache["global"][layer]
             glob = {"kv": kc.scatter(glob["kv"], at, g_stored), "index": kc.scatter(glob["index"], at, i_stored)}
@@ -205,9 +213,12 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
     inp = inputs
     n = inp.token_ids.shape[0]
     slots = cache_cfg.max_requests
+    zero = jnp.zeros(n, jnp.int32)
     m = _Step(inp=inp, pos=inp.positions, idx=jnp.arange(n), ctx=inp.ctx_len[inp.token_req],
               new=inp.new_len[inp.token_req], slot=jnp.clip(inp.req_slot[inp.token_req], 0, slots - 1),
               valid=inp.token_valid, quantized=cache_cfg.storage == "quantized",
+              floor=zero if inp.window_floor is None else inp.window_floor[inp.token_req],
+              write_from=zero if inp.global_write_from is None else inp.global_write_from[inp.token_req],
               cache_cfg=_CacheGeometry(cache_cfg.block_size, cache_cfg.num_blocks, cache_cfg.max_requests,
                                        cache_cfg.ring_capacity(cfg)))
     x = model.embed(inp.token_ids)[None]

@@ -101,7 +101,7 @@ def evaluate_and_write_card(out_dir, tc, corpus, info: dict, tokenizer, *, fixtu
     bos, vocab = cfg.bos_token_id, cfg.vocab_size
     windows = eval_windows(corpus.heldout, tc.seq_len, bos, EVAL_WINDOWS)
     targets = windows[:, 1:]
-    m: dict = {"eval": {"windows": int(len(windows)), "seq_len": tc.seq_len, "tokens": int(targets.size)}}
+    m: dict = {"eval": {"windows": len(windows), "seq_len": tc.seq_len, "tokens": int(targets.size)}}
     m["trained"] = _summary(model_nll(params, cfg, windows))
     m["trained_fake_quant_off"] = _summary(model_nll(params, dataclasses.replace(cfg, fake_quant=False), windows))
     random_checkpoint = Path(random_checkpoint or REPO / "checkpoints" / "small-random")

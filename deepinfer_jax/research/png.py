@@ -7,6 +7,7 @@ reference lines, then encodes the canvas as an 8-bit RGB PNG (filter 0 rows, one
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -85,8 +86,8 @@ def line_plot_png(path: str | Path, series: Sequence[dict], hlines: Sequence[dic
     x0, x1 = 0.0, float(xs.max()) if xs.size else 1.0
     y0, y1 = ylim if ylim else (float(np.floor(ys.min())), float(np.ceil(ys.max())))
     c = _Canvas(width, height)
-    px = lambda x: left + (x - x0) / max(x1 - x0, 1e-12) * (width - left - right)  # noqa: E731
-    py = lambda y: top + (y1 - y) / max(y1 - y0, 1e-12) * (height - top - bottom)  # noqa: E731
+    px = lambda x: left + (x - x0) / max(x1 - x0, 1e-12) * (width - left - right)
+    py = lambda y: top + (y1 - y) / max(y1 - y0, 1e-12) * (height - top - bottom)
     grey, black = (225, 225, 225), (0, 0, 0)
     for t in _ticks(y0, y1):
         c.line(px(x0), py(t), px(x1), py(t), grey)
@@ -104,7 +105,7 @@ def line_plot_png(path: str | Path, series: Sequence[dict], hlines: Sequence[dic
             for x, y in pts:
                 c.dot(round(x), round(y), s["color"], r=3)
         else:
-            for (a, b), (d, e) in zip(pts, pts[1:]):
+            for (a, b), (d, e) in itertools.pairwise(pts):
                 c.line(a, b, d, e, s["color"], r=s.get("width", 1) // 2)
     path = Path(path)
     path.write_bytes(encode_png(c.img))

@@ -63,10 +63,10 @@ class TrainConfig:
 
     preset: str = "small"
     seed: int = 0
-    steps: int = 800
-    batch_size: int = 16
+    steps: int = 1200
+    batch_size: int = 8
     seq_len: int = 128
-    lr: float = 3e-3
+    lr: float = 8e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
@@ -74,9 +74,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     qat: bool = True
     heldout_every: int = 20
-    eval_every: int = 50
+    eval_every: int = 100
     eval_windows: int = 16
-    ckpt_every: int = 100
+    ckpt_every: int = 200
     keep_checkpoints: int = 2
 
     def __post_init__(self):
@@ -184,7 +184,7 @@ def make_optimizer(tc: TrainConfig):
     """(AdamW with global-norm clipping and warmup + cosine decay, the learning-rate schedule)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, max(tc.steps, tc.warmup_steps + 1),
                                                   tc.lr * tc.min_lr_ratio)
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731  matrices only
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # matrices only
     opt = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
                       optax.adamw(schedule, b1=0.9, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
     return opt, schedule
@@ -400,7 +400,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train the small V4.1 model on the Python standard library.")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "deepinfer_jax" / "train" / "small-stdlib"),
                    help="training state, checkpoints and metrics (a rerun resumes here)")
-    p.add_argument("--out", default="checkpoints/small-trained", help="where the trained checkpoint and card go")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "checkpoints" / "small-trained"),
+                   help="where the trained checkpoint and card go (default: the repository's checkpoints/small-trained)")
     p.add_argument("--no-export", action="store_true", help="train only")
     p.add_argument("--no-eval", action="store_true", help="export without evaluating or writing the model card")
     p.add_argument("--fixture", default="tests/fixtures/stdlib_heldout_sample.py.txt",

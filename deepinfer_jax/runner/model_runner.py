@@ -42,7 +42,8 @@ class ChunkSpec:
     logits are wanted (default: the last one; ``execute`` only). For ``launch``: ``sample`` (None =
     this chunk samples nothing, e.g. a prefill chunk short of the prompt's end) samples one token
     from the chunk's last position; ``feed_last`` replaces ``token_ids[0]`` by the token the slot
-    sampled last, still on the device.
+    sampled last, still on the device. ``window_floor`` / ``global_write_from``: bounded replay
+    (``model.paged``): windows truncated below the floor; no block KV written below the second.
     """
 
     slot: int
@@ -52,6 +53,8 @@ class ChunkSpec:
     logits: Sequence[int] | None = None
     sample: SampleSpec | None = None
     feed_last: bool = False
+    window_floor: int = 0
+    global_write_from: int = 0
     offsets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
@@ -108,6 +111,10 @@ def _restore(cache, slot, rows, engram_ids):
     return cache
 
 
+def _set_engram(cache, slot, engram_ids):
+    return {**cache, "engram": cache["engram"].at[slot].set(engram_ids)} if "engram" in cache else cache
+
+
 class PendingStep:
     """A launched step; ``result()`` waits for the device and returns, per chunk in launch order,
     ``(token_id, logprob, top_ids, top_logprobs)`` or None for chunks that sampled nothing."""
@@ -142,6 +149,7 @@ class ModelRunner:
         self._sample_fn = jax.jit(_sample_step, static_argnums=(1, 2, 3), donate_argnums=(4, 5))
         self._snapshot_fn = jax.jit(_snapshot)
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
+        self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))
 
     @property
     def traces(self) -> int:
@@ -154,6 +162,7 @@ class ModelRunner:
         shapes = self.buckets.shapes()
         if sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
             self.restore_swa(0, self.snapshot_swa(0), [])
+            self.restore_swa(0, None, [])
         for i, (n, r, b) in enumerate(shapes):
             if sampling:
                 self._launch([], n, r, b).result()
@@ -171,15 +180,22 @@ class ModelRunner:
     def to_host(snapshot):
         return jax.tree.map(np.asarray, snapshot)
 
-    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int]) -> None:
-        """Put a saved ring (from ``snapshot_swa``, on device or host) into ``slot`` before its next step,
-        with the Engram look-back (the n-1 token ids before the restored position, -1 for none)."""
+    def _engram_ids(self, engram_ids: Sequence[int]) -> np.ndarray:
         n = self.cfg.engram_max_ngram_size - 1 if self.cfg.engram_layer_ids else 0
         ids = np.full(max(n, 1), -1, np.int32)
         if n:
             tail = list(engram_ids)[-n:]
             ids[n - len(tail):] = tail
-        self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, ids[:n] if n else ids)
+        return ids[:n] if n else ids
+
+    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int]) -> None:
+        """Put a saved ring (from ``snapshot_swa``, on device or host) into ``slot`` before its next step,
+        with the Engram look-back (the n-1 token ids before the restored position, -1 for none);
+        ``snapshot=None`` sets only the look-back (a bounded replay rebuilds the window)."""
+        if snapshot is None:
+            self.cache = self._set_engram_fn(self.cache, np.int32(slot), self._engram_ids(engram_ids))
+        else:
+            self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, self._engram_ids(engram_ids))
 
     def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
         """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``)."""
@@ -260,6 +276,8 @@ class ModelRunner:
             ids = np.asarray(c.token_ids)
             if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
                 raise StepInputError(f"{where}: token_ids must lie in [0, {self.cfg.vocab_size})")
+            if not 0 <= c.window_floor <= c.ctx_len or c.global_write_from < 0:
+                raise StepInputError(f"{where}: window_floor must lie in [0, ctx_len], global_write_from >= 0")
             if any(not 0 <= o < len(c.token_ids) for o in c.offsets):
                 raise StepInputError(f"{where}: logits offsets must lie in [0, {len(c.token_ids)})")
         return n, r, b
@@ -272,6 +290,7 @@ class ModelRunner:
         slot = np.full(r, cc.max_requests, np.int32)  # out of range: padding rows write nothing
         start, ctx, new = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
         rows = np.zeros(n, np.int32)
+        floor, write_from = np.zeros(r, np.int32), np.zeros(r, np.int32)
         at = m = 0
         for i, c in enumerate(chunks):
             k = len(c.token_ids)
@@ -281,8 +300,10 @@ class ModelRunner:
             valid[at : at + k] = True
             tables[i, : len(c.block_table)] = c.block_table
             slot[i], start[i], ctx[i], new[i] = c.slot, at, c.ctx_len, c.ctx_len + k
+            floor[i], write_from[i] = c.window_floor, c.global_write_from
             rows[m : m + len(c.offsets)] = [at + o for o in c.offsets]
             at += k
             m += len(c.offsets)
         return StepInputs(token_ids=tok, positions=pos, token_req=req, token_valid=valid, block_tables=tables,
-                          req_slot=slot, req_start=start, ctx_len=ctx, new_len=new, logit_rows=rows)
+                          req_slot=slot, req_start=start, ctx_len=ctx, new_len=new, logit_rows=rows,
+                          window_floor=floor, global_write_from=write_from)
