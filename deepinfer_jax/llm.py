@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -26,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from deepinfer_jax.cache.block_hash import extra_keys, model_fingerprint
+from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore, StoreError
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
@@ -93,19 +95,29 @@ class LLM:
                           requests=ec.request_buckets or (ec.max_num_seqs,), blocks=(mbpr,))
         self.max_model_len, self.cache_config, self.buckets = max_len, cache_cfg, buckets
 
+        extra = extra_keys(self.fingerprint(), ec.cache_salt) if ec.enable_prefix_caching else None
+        host_store = HostBlockStore(ec.host_store_bytes) if extra is not None and ec.host_store_bytes else None
+        file_store = None
+        if extra is not None and ec.block_store is not None:
+            try:
+                file_store = FileBlockStore(ec.block_store, self.fingerprint())
+            except StoreError as e:
+                if not ec.block_store_fallback:
+                    raise
+                logging.getLogger(__name__).warning("%s; running without a block store", e)
         t0 = time.perf_counter()
         self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs)
         with tqdm(total=len(buckets.shapes()), desc="compiling step buckets", disable=not use_tqdm) as bar:
             self.runner.precompile(sampling=True, progress=lambda i, n: bar.update(1))
         self.compile_s = time.perf_counter() - t0
         cost_model = self._cost_model(use_tqdm) if ec.chunking == "cost" else None
-        extra = extra_keys(self.fingerprint(), ec.cache_salt) if ec.enable_prefix_caching else None
         scheduler = Scheduler(num_blocks=cache_cfg.num_blocks, block_size=bs, max_blocks_per_request=mbpr,
                               max_num_seqs=ec.max_num_seqs, max_model_len=max_len,
                               max_num_batched_tokens=ec.max_num_batched_tokens, chunking=ec.chunking,
                               cost_model=cost_model, step_budget_ns=ec.step_budget_ns, prefix_extra=extra,
                               ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
-                              encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window)
+                              encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
+                              host_store=host_store, file_store=file_store)
         self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
                                  seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
 
@@ -201,6 +213,10 @@ class LLM:
             return item.get("prompt"), list(ids)
         raise RequestError("prompt", f"must be a string or a {{'prompt_token_ids': [...]}} dict, got "
                                      f"{type(item).__name__}")
+
+    def flush(self) -> None:
+        """Wait until every cached block has been written to the block store (and prefetches ended)."""
+        self.engine.flush()
 
     # ---- the recipe layer ----
     def chat(self, request, protocol: str = "chat") -> dict:

@@ -9,6 +9,7 @@ import pytest
 from test_paged_step import CFG, robust_params
 
 from deepinfer_jax import LLM, RequestError, SamplingParams, forward_full, generate
+from deepinfer_jax.cache.block_store import StoreError
 
 MAX_LEN = 128
 
@@ -245,3 +246,25 @@ def _digest_req(prompt):
     from deepinfer_jax.engine.request import Request
 
     return Request("probe", 0, None, prompt, SamplingParams(), None)
+
+
+def test_restarted_engine_hits_the_block_store(params, tmp_path):
+    kw = dict(config=CFG, params=params, max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(32,),
+              block_size=16, max_model_len=MAX_LEN, chunking="tokens", use_tqdm=False, block_store=str(tmp_path))
+    prompt = np.random.default_rng(10).integers(3, CFG.vocab_size, 75).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    writer = LLM(**kw)
+    first = _run(writer, [prompt], sp)[0]
+    writer.flush()
+    assert len(list(tmp_path.rglob("*.blk"))) == 4  # the 4 full blocks of 75 + 5 tokens
+    # a new engine: block KV from the store, the window (never stored) rebuilt by bounded replay
+    restarted = LLM(**kw, encoder_replay=True)
+    again = _run(restarted, [prompt], sp)[0]
+    assert again.num_cached_tokens == 48 and len(again.outputs[0].token_ids) == 5
+    assert first.num_cached_tokens == 0
+    (tmp_path / "blocker").write_text("a file where the store's directory should be")
+    bad = str(tmp_path / "blocker" / "store")
+    with pytest.raises(StoreError, match="not writable"):
+        LLM(**{**kw, "block_store": bad})
+    fallback = LLM(**{**kw, "block_store": bad, "block_store_fallback": True})
+    assert fallback.engine.scheduler.prefix.files is None

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,10 @@ class EngineConfig:
         encoder_replay: when a hit's window is missing, rebuild it approximately by bounded replay of
             the hit's last ``replay_tokens`` tokens (None = the sliding window) instead of hitting less
             (engine.md §1.4); what such a request computes is never cached.
+        host_store_bytes: host-memory tier of cached blocks (bytes; 0 = none, and no file store).
+        block_store: a directory for the file-system block store shared by engines and restarts
+            (local disk or a shared mount); None = none. block_store_fallback: when that directory
+            is not usable, log and run without it instead of failing at start-up.
     """
 
     max_num_seqs: int = 8
@@ -79,6 +84,9 @@ class EngineConfig:
     swa_snapshot_entries: int = 256
     encoder_replay: bool = False
     replay_tokens: int | None = None
+    host_store_bytes: int = 1 << 30
+    block_store: str | None = None
+    block_store_fallback: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
@@ -94,7 +102,14 @@ class EngineConfig:
         if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
             raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
         _pos("replay_tokens", self.replay_tokens, optional=True)
-        for name in ("async_scheduling", "profile_steps", "enable_prefix_caching", "encoder_replay"):
+        if not isinstance(self.host_store_bytes, int) or self.host_store_bytes < 0:
+            raise ValueError(f"host_store_bytes must be an integer >= 0, got {self.host_store_bytes!r}")
+        if self.block_store is not None and not isinstance(self.block_store, (str, os.PathLike)):
+            raise ValueError(f"block_store must be a directory path or None, got {self.block_store!r}")
+        if self.block_store is not None and not self.host_store_bytes:
+            raise ValueError("block_store needs host_store_bytes > 0 (blocks pass through host memory)")
+        for name in ("async_scheduling", "profile_steps", "enable_prefix_caching", "encoder_replay",
+                     "block_store_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -58,6 +59,7 @@ class _InFlight:
     pending: PendingStep
     launched: float
     snapshots: list = field(default_factory=list)  # (request, position, device arrays) to save
+    writeback: tuple | None = None  # (digests, device rows) of newly cached blocks for the lower tiers
 
 
 class EngineCore:
@@ -74,6 +76,10 @@ class EngineCore:
         self._numbers = itertools.count()
         self._inflight: _InFlight | None = None
         self._last_ready = 0.0
+        prefix = scheduler.prefix
+        # file-store writes and prefetches run on one background thread, overlapped with the steps
+        self._io = ThreadPoolExecutor(1, "block-store") if prefix is not None and prefix.files else None
+        self._io_futures: list[Future] = []
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -115,7 +121,16 @@ class EngineCore:
         req = Request(rid, number, prompt, ids, params, detok, arrival)
         self.requests[rid] = req
         self.scheduler.add(req)
+        if self._io is not None:  # start reading its blocks from the store while earlier work runs
+            self._io_futures.append(self._io.submit(self.scheduler.prefix.prefetch,
+                                                    list(self.scheduler.prefix.digests(req))))
         return rid
+
+    def flush(self) -> None:
+        """Wait for the background block-store writes and prefetches (errors re-raised)."""
+        futures, self._io_futures = self._io_futures, []
+        for f in futures:
+            f.result()
 
     def abort(self, request_id: str) -> None:
         """End a request now (finish reason "abort"); a token still on the device is dropped."""
@@ -136,13 +151,21 @@ class EngineCore:
         launched = None
         if plan.chunks:
             for c in plan.chunks:  # prefix-cache hits: their saved windows go into their slots first
+                if c.request.uploads:
+                    ids, payloads = zip(*c.request.uploads)
+                    self.runner.write_blocks(list(ids), list(payloads))
+                    c.request.uploads = None
                 if c.request.restore is not None:
                     pos, snap = c.request.restore
                     self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos))
                     c.request.restore = None
             launched = _InFlight(plan, self.runner.launch([self._spec(c) for c in plan.chunks]), time.perf_counter())
-            if self.scheduler.prefix is not None:
+            prefix = self.scheduler.prefix
+            if prefix is not None:
                 self._take_snapshots(launched)
+                if prefix.new_blocks:
+                    new, prefix.new_blocks = prefix.new_blocks, []
+                    launched.writeback = ([d for _, d in new], self.runner.read_blocks([b for b, _ in new]))
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
         self.stats.preemptions += len(plan.preempted)
@@ -207,6 +230,14 @@ class EngineCore:
             self.cost_model.observe(step.plan.shape(), device_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
+        if step.writeback is not None:
+            prefix = self.scheduler.prefix
+            digests, read = step.writeback
+            for d, payload in zip(digests, self.runner.block_payloads(read)):
+                prefix.host.put(d, payload)
+                if self._io is not None:
+                    self._io_futures.append(self._io.submit(prefix.files.put, d, payload))
+            self._io_futures = [f for f in self._io_futures if not f.done() or f.exception()]
         finished = []
         for chunk, res in zip(step.plan.chunks, results):
             r = chunk.request

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from deepinfer_jax.cache import BlockPool
 from deepinfer_jax.cache.block_hash import ROOT_DIGEST, block_digests
+from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore
 from deepinfer_jax.cache.swa_snapshots import HitDecision, SwaSnapshotStore, hit_length, prefill_snapshot_position
 from deepinfer_jax.engine.request import Request
 
@@ -23,9 +24,13 @@ class PrefixCache:
 
     def __init__(self, pool: BlockPool, block_size: int, ring_rows: int, extra: bytes,
                  snapshots: SwaSnapshotStore | None = None, encoder_replay: bool = False,
-                 replay_tokens: int = 0) -> None:
+                 replay_tokens: int = 0, host: HostBlockStore | None = None,
+                 files: FileBlockStore | None = None) -> None:
         self.pool, self.block_size, self.ring_rows, self.extra = pool, block_size, ring_rows, extra
         self.encoder_replay, self.replay_tokens = encoder_replay, replay_tokens
+        self.host, self.files = host, files  # lower tiers (None = device only); files needs host
+        self.new_blocks: list[tuple[int, bytes]] = []  # registered since the engine last wrote them back
+        self.tier_hits = {"device": 0, "host": 0, "file": 0}
         self.snapshots = snapshots if snapshots is not None else SwaSnapshotStore()
         self.hits = self.hit_tokens = self.queried_tokens = 0
 
@@ -45,18 +50,43 @@ class PrefixCache:
         d = self.digests(r)
         return d[k - 1] if 0 < k <= len(d) else None
 
-    def match(self, r: Request) -> tuple[HitDecision, list[int]]:
-        """The hit for a request about to start from scratch, and the cached blocks it would reuse."""
+    def lower_tier(self, digest: bytes):
+        """A block's payload from host memory, else from the file store (then kept in host memory)."""
+        if self.host is None:
+            return None
+        payload = self.host.get(digest)
+        if payload is None and self.files is not None:
+            payload = self.files.get(digest)
+            if payload is not None:
+                self.host.put(digest, payload)
+        return payload
+
+    def prefetch(self, digests: list[bytes]) -> None:
+        """Bring a request's blocks from the file store into host memory (run in the background)."""
+        for d in digests:
+            if not self.pool.lookup([d]) and self.lower_tier(d) is None:
+                break
+
+    def match(self, r: Request) -> tuple[HitDecision, list[int], list[dict]]:
+        """The hit for a request about to start from scratch: the cached device blocks it reuses and
+        the payloads of the further blocks to upload from the lower tiers."""
         digests = self.digests(r)
         cached = self.pool.lookup(digests)
+        payloads = []
+        for d in digests[len(cached):]:
+            payload = self.lower_tier(d)
+            if payload is None:
+                break
+            payloads.append(payload)
 
         def has_swa(p: int) -> bool:
             return digests[p // self.block_size - 1] in self.snapshots
 
-        decision = hit_length(r.num_tokens, self.block_size, self.ring_rows, len(cached), has_swa,
+        decision = hit_length(r.num_tokens, self.block_size, self.ring_rows, len(cached) + len(payloads), has_swa,
                               encoder_replay=self.encoder_replay)
         self.queried_tokens += r.num_tokens
-        return decision, cached[: decision.length // self.block_size]
+        n = decision.length // self.block_size
+        return decision, cached[:n], payloads[: max(0, n - len(cached))]
 
     def snapshot_for(self, r: Request, position: int):
         return self.snapshots.get(self.digest_at(r, position))
@@ -72,7 +102,8 @@ class PrefixCache:
         digests = self.digests(r)
         blocks = r.blocks.block_ids
         for k in range(r.registered, full):
-            self.pool.register(blocks[k], digests[k])
+            if self.pool.register(blocks[k], digests[k]) and self.host is not None:
+                self.new_blocks.append((blocks[k], digests[k]))
         r.registered = full
 
     def snapshot_positions(self, r: Request) -> list[int]:

@@ -53,6 +53,7 @@ class Request:
         self.snapshot_points: list[int] = []  # prefill positions whose windows are still to be saved
         self.swa_copy = None  # (position, device arrays): the latest decode boundary's window
         self.restore = None  # (position, snapshot) to put into the slot before the next step
+        self.uploads = None  # [(device block, payload)] from the lower tiers, written before the next step
         self.approximate = False  # hit through bounded replay: nothing it computes is cached
         self.window_floor = 0  # bounded replay: windows see no position below this
         self.write_from = 0  # bounded replay: block KV below this is reused, never rewritten

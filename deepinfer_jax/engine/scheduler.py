@@ -67,7 +67,7 @@ class Scheduler:
                  max_model_len: int, max_num_batched_tokens: int, chunking: str = "tokens",
                  cost_model: CostModel | None = None, step_budget_ns: int | None = None,
                  prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256,
-                 encoder_replay: bool = False, replay_tokens: int = 0) -> None:
+                 encoder_replay: bool = False, replay_tokens: int = 0, host_store=None, file_store=None) -> None:
         if chunking == "cost" and (cost_model is None or step_budget_ns is None):
             raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
         self.pool = BlockPool(num_blocks)
@@ -86,7 +86,7 @@ class Scheduler:
         #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
         self.prefix = None if prefix_extra is None else PrefixCache(
             self.pool, block_size, ring_rows, prefix_extra, SwaSnapshotStore(swa_snapshot_entries),
-            encoder_replay=encoder_replay, replay_tokens=replay_tokens)
+            encoder_replay=encoder_replay, replay_tokens=replay_tokens, host=host_store, files=file_store)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -162,7 +162,7 @@ class Scheduler:
             if r.inflight:  # preempted with a token still on the device: admit it after the result
                 break
             blocks = RequestBlocks(self.pool, self.max_blocks_per_request, self.block_size)
-            hit, cached = self._match(r)  # also sets the prefill snapshot points, which cut chunks
+            hit, cached, uploads = self._match(r)  # also sets the prefill snapshot points, which cut chunks
             if hit:
                 self.pool.acquire(cached)
                 blocks.adopt(cached)
@@ -177,13 +177,19 @@ class Scheduler:
                 r.approximate = False
                 break
             try:
-                blocks.ensure_capacity(r.num_computed + q)
+                blocks.ensure_capacity(max(hit, r.num_computed + q))
             except OutOfBlocks:
                 blocks.release()
                 r.num_computed = r.registered = r.window_floor = r.write_from = 0
                 r.approximate = False
                 break  # FCFS: nothing behind the oldest request jumps the queue
             self.waiting.popleft()
+            if uploads:  # blocks from the host / file tiers: fresh device blocks, filled before the step
+                ids = blocks.block_ids[len(cached) : len(cached) + len(uploads)]
+                digests = self.prefix.digests(r)
+                for b, d in zip(ids, digests[len(cached) :]):
+                    self.pool.register(b, d)
+                r.uploads = list(zip(ids, uploads))
             if hit:
                 r.restore = (r.num_computed, None if r.approximate else self.prefix.snapshot_for(r, hit))
                 r.num_cached_tokens = r.num_cached_tokens or hit
@@ -197,16 +203,17 @@ class Scheduler:
                 self.prefix.register(c.request)
         return out
 
-    def _match(self, r: Request) -> tuple[int, list[int]]:
-        """(hit length, cached blocks) for a request starting from scratch; sets its snapshot point."""
+    def _match(self, r: Request) -> tuple[int, list[int], list]:
+        """(hit length, cached device blocks, lower-tier payloads) for a request starting from
+        scratch; sets its snapshot points."""
         if self.prefix is None:
-            return 0, []
-        decision, cached = self.prefix.match(r)
+            return 0, [], []
+        decision, cached, uploads = self.prefix.match(r)
         r.approximate = decision.approximate
         r.snapshot_points = [] if r.approximate else [
             p for p in self.prefix.snapshot_positions(r)
             if p > decision.length and self.prefix.digest_at(r, p) not in self.prefix.snapshots]
-        return decision.length, cached
+        return decision.length, cached, uploads
 
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
         self.running.remove(r)

@@ -111,6 +111,16 @@ def _restore(cache, slot, rows, engram_ids):
     return cache
 
 
+def _read_blocks(cache, block_ids):
+    """Every KV-source layer's stored rows of ``block_ids`` [n] (the block axis first)."""
+    return jax.tree.map(lambda a: a[block_ids], cache["global"])
+
+
+def _write_blocks(cache, block_ids, rows):
+    """Write rows into ``block_ids``; out-of-range ids (padding) write nothing."""
+    return {**cache, "global": jax.tree.map(lambda a, r: a.at[block_ids].set(r, mode="drop"), cache["global"], rows)}
+
+
 def _set_engram(cache, slot, engram_ids):
     return {**cache, "engram": cache["engram"].at[slot].set(engram_ids)} if "engram" in cache else cache
 
@@ -150,6 +160,10 @@ class ModelRunner:
         self._snapshot_fn = jax.jit(_snapshot)
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
         self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))
+        self._read_blocks_fn = jax.jit(_read_blocks)
+        self._write_blocks_fn = jax.jit(_write_blocks, donate_argnums=(0,))
+        flat, self._global_def = jax.tree_util.tree_flatten_with_path(self.cache["global"])
+        self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
 
     @property
     def traces(self) -> int:
@@ -163,6 +177,8 @@ class ModelRunner:
         if sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
             self.restore_swa(0, self.snapshot_swa(0), [])
             self.restore_swa(0, None, [])
+            self.block_payloads(self.read_blocks([0]))
+            self.write_blocks([0], self.block_payloads(self.read_blocks([0])))
         for i, (n, r, b) in enumerate(shapes):
             if sampling:
                 self._launch([], n, r, b).result()
@@ -196,6 +212,35 @@ class ModelRunner:
             self.cache = self._set_engram_fn(self.cache, np.int32(slot), self._engram_ids(engram_ids))
         else:
             self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, self._engram_ids(engram_ids))
+
+    def _io_ids(self, block_ids: Sequence[int], pad: int) -> list[np.ndarray]:
+        """Block ids in fixed-size groups (one compiled shape), padded with ``pad``."""
+        k = self.cache_cfg.max_blocks_per_request
+        ids = list(block_ids)
+        return [np.asarray(ids[i : i + k] + [pad] * (k - len(ids[i : i + k])), np.int32) for i in range(0, len(ids), k)]
+
+    def read_blocks(self, block_ids: Sequence[int]):
+        """Dispatch a copy of the blocks' stored rows (after the launched steps): device arrays,
+        to pass to ``block_payloads`` later."""
+        return len(block_ids), [self._read_blocks_fn(self.cache, ids) for ids in self._io_ids(block_ids, 0)]
+
+    def block_payloads(self, read) -> list[dict[str, np.ndarray]]:
+        """Host payloads (name -> array, one block each) of a ``read_blocks`` result."""
+        n, groups = read
+        out = []
+        for rows in groups:
+            leaves = [np.asarray(a) for a in jax.tree.leaves(rows)]
+            out += [{name: leaf[i] for name, leaf in zip(self._global_names, leaves)} for i in range(len(leaves[0]))]
+        return out[:n]
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[dict[str, np.ndarray]]) -> None:
+        """Put stored rows (payloads from a block store) into device blocks before the next step."""
+        k = self.cache_cfg.max_blocks_per_request
+        for g, ids in enumerate(self._io_ids(block_ids, self.cache_cfg.num_blocks)):
+            part = list(payloads[g * k : (g + 1) * k])
+            part += [part[0]] * (k - len(part))
+            rows = [np.stack([p[name] for p in part]) for name in self._global_names]
+            self.cache = self._write_blocks_fn(self.cache, ids, jax.tree_util.tree_unflatten(self._global_def, rows))
 
     def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
         """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``)."""
