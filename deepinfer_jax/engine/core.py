@@ -121,9 +121,10 @@ class EngineCore:
         req = Request(rid, number, prompt, ids, params, detok, arrival)
         self.requests[rid] = req
         self.scheduler.add(req)
-        if self._io is not None:  # start reading its blocks from the store while earlier work runs
-            self._io_futures.append(self._io.submit(self.scheduler.prefix.prefetch,
-                                                    list(self.scheduler.prefix.digests(req))))
+        prefix = self.scheduler.prefix
+        if self._io is not None and prefix is not None and prefix.files is not None:
+            # start reading its blocks from the store while earlier work runs
+            self._io_futures.append(self._io.submit(prefix.prefetch, list(prefix.digests(req))))
         return rid
 
     def flush(self) -> None:
@@ -230,8 +231,8 @@ class EngineCore:
             self.cost_model.observe(step.plan.shape(), device_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
-        if step.writeback is not None:
-            prefix = self.scheduler.prefix
+        prefix = self.scheduler.prefix
+        if step.writeback is not None and prefix is not None:
             digests, read = step.writeback
             for d, payload in zip(digests, self.runner.block_payloads(read)):
                 prefix.host.put(d, payload)
