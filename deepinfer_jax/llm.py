@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from deepinfer_jax.cache.block_hash import extra_keys, model_fingerprint
 from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore, StoreError
-from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
+from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_keep_tokens
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.profiling import profile_cost_model
@@ -106,9 +106,13 @@ class LLM:
                     raise
                 logging.getLogger(__name__).warning("%s; running without a block store", e)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs)
-        with tqdm(total=len(buckets.shapes()), desc="compiling step buckets", disable=not use_tqdm) as bar:
-            self.runner.precompile(sampling=True, progress=lambda i, n: bar.update(1))
+        self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
+                                  decoder_replay=ec.decoder_replay)
+        with tqdm(desc="compiling step buckets", disable=not use_tqdm) as bar:
+            def tick(i, n):
+                bar.total = n
+                bar.update(1)
+            self.runner.precompile(sampling=True, progress=tick)
         self.compile_s = time.perf_counter() - t0
         cost_model = self._cost_model(use_tqdm) if ec.chunking == "cost" else None
         scheduler = Scheduler(num_blocks=cache_cfg.num_blocks, block_size=bs, max_blocks_per_request=mbpr,
@@ -117,7 +121,8 @@ class LLM:
                               cost_model=cost_model, step_budget_ns=ec.step_budget_ns, prefix_extra=extra,
                               ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
                               encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
-                              host_store=host_store, file_store=file_store)
+                              host_store=host_store, file_store=file_store,
+                              decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None)
         self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
                                  seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
 

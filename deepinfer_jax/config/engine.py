@@ -10,7 +10,24 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHUNKING_MODES", "EngineConfig"]
+__all__ = ["CHUNKING_MODES", "EngineConfig", "yoco_keep_tokens"]
+
+#: The seeds' knob for decoder bounded replay (engine.md §1.4): prompt tokens that run the decoder.
+YOCO_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
+
+
+def yoco_keep_tokens(value: int | None = None) -> int:
+    """``value`` if given, else ``$DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, else 140 (the only place it is read)."""
+    if value is not None:
+        return value
+    raw = os.environ.get(YOCO_ENV, "140")
+    try:
+        keep = int(raw)
+    except ValueError:
+        raise ValueError(f"{YOCO_ENV} must be an integer >= 1, got {raw!r}") from None
+    if keep < 1:
+        raise ValueError(f"{YOCO_ENV} must be an integer >= 1, got {raw!r}")
+    return keep
 
 #: "cost": chunk sizes from the fitted step-time model and ``step_budget_ns``; "tokens": a fixed
 #: token budget per step (``max_num_batched_tokens``, vLLM's setting).
@@ -57,6 +74,10 @@ class EngineConfig:
         encoder_replay: when a hit's window is missing, rebuild it approximately by bounded replay of
             the hit's last ``replay_tokens`` tokens (None = the sliding window) instead of hitting less
             (engine.md §1.4); what such a request computes is never cached.
+        decoder_replay: decoder bounded replay (YOCO prefill, engine.md §1.4): only the last
+            ``yoco_keep_tokens`` prompt tokens (None = ``$DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, default
+            140) run the decoder layers; approximate for longer prompts, and then no SWA windows
+            are saved for the prefix cache (block KV stays exact and cached).
         host_store_bytes: host-memory tier of cached blocks (bytes; 0 = none, and no file store).
         block_store: a directory for the file-system block store shared by engines and restarts
             (local disk or a shared mount); None = none. block_store_fallback: when that directory
@@ -84,6 +105,8 @@ class EngineConfig:
     swa_snapshot_entries: int = 256
     encoder_replay: bool = False
     replay_tokens: int | None = None
+    decoder_replay: bool = False
+    yoco_keep_tokens: int | None = None
     host_store_bytes: int = 1 << 30
     block_store: str | None = None
     block_store_fallback: bool = False
@@ -102,6 +125,7 @@ class EngineConfig:
         if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
             raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
         _pos("replay_tokens", self.replay_tokens, optional=True)
+        _pos("yoco_keep_tokens", self.yoco_keep_tokens, optional=True)
         if not isinstance(self.host_store_bytes, int) or self.host_store_bytes < 0:
             raise ValueError(f"host_store_bytes must be an integer >= 0, got {self.host_store_bytes!r}")
         if self.block_store is not None and not isinstance(self.block_store, (str, os.PathLike)):
@@ -109,7 +133,7 @@ class EngineConfig:
         if self.block_store is not None and not self.host_store_bytes:
             raise ValueError("block_store needs host_store_bytes > 0 (blocks pass through host memory)")
         for name in ("async_scheduling", "profile_steps", "enable_prefix_caching", "encoder_replay",
-                     "block_store_fallback"):
+                     "block_store_fallback", "decoder_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:

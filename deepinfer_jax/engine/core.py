@@ -195,7 +195,7 @@ class EngineCore:
             if end in r.snapshot_points:
                 step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot)))
                 r.snapshot_points.remove(end)
-            elif end % bs == 0 and c.start >= len(r.prompt_ids) and not r.approximate:
+            elif end % bs == 0 and c.start >= len(r.prompt_ids) and not r.approximate and not r.decoder_from:
                 r.swa_copy = (end, self.runner.snapshot_swa(r.slot))
 
     def _save_snapshot(self, r: Request, position: int, arrays) -> None:
@@ -214,7 +214,8 @@ class EngineCore:
                                 position=c.start + c.num_tokens - len(r.prompt_ids))
         ids = [0] if c.feed_last else r.known_tokens(c.start, c.start + c.num_tokens)
         return ChunkSpec(slot=r.slot, block_table=r.blocks.block_ids, ctx_len=c.start, token_ids=ids, sample=sample,
-                         feed_last=c.feed_last, window_floor=r.window_floor, global_write_from=r.write_from)
+                         feed_last=c.feed_last, window_floor=r.window_floor, global_write_from=r.write_from,
+                         decoder_from=r.decoder_from, decoder_floor=r.decoder_from)
 
     def _reconcile(self, step: _InFlight) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -57,6 +57,7 @@ class Request:
         self.approximate = False  # hit through bounded replay: nothing it computes is cached
         self.window_floor = 0  # bounded replay: windows see no position below this
         self.write_from = 0  # bounded replay: block KV below this is reused, never rewritten
+        self.decoder_from = 0  # decoder bounded replay: earlier positions run the encoder only
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "

@@ -67,7 +67,8 @@ class Scheduler:
                  max_model_len: int, max_num_batched_tokens: int, chunking: str = "tokens",
                  cost_model: CostModel | None = None, step_budget_ns: int | None = None,
                  prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256,
-                 encoder_replay: bool = False, replay_tokens: int = 0, host_store=None, file_store=None) -> None:
+                 encoder_replay: bool = False, replay_tokens: int = 0, host_store=None, file_store=None,
+                 decoder_keep: int | None = None) -> None:
         if chunking == "cost" and (cost_model is None or step_budget_ns is None):
             raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
         self.pool = BlockPool(num_blocks)
@@ -81,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = collections.deque(range(max_num_seqs))
         self.num_preemptions = 0
+        self.decoder_keep = decoder_keep  # decoder bounded replay: prompt tokens that run the decoder
         from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
 
         #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
@@ -193,6 +195,8 @@ class Scheduler:
             if hit:
                 r.restore = (r.num_computed, None if r.approximate else self.prefix.snapshot_for(r, hit))
                 r.num_cached_tokens = r.num_cached_tokens or hit
+            if self.decoder_keep is not None:  # the decoder runs on the last decoder_keep tokens only
+                r.decoder_from = max(0, r.num_tokens - self.decoder_keep)
             r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
             self.running.append(r)
             take(r, q)
@@ -210,7 +214,8 @@ class Scheduler:
             return 0, [], []
         decision, cached, uploads = self.prefix.match(r)
         r.approximate = decision.approximate
-        r.snapshot_points = [] if r.approximate else [
+        decoder_replayed = self.decoder_keep is not None and r.num_tokens > self.decoder_keep
+        r.snapshot_points = [] if r.approximate or decoder_replayed else [
             p for p in self.prefix.snapshot_positions(r)
             if p > decision.length and self.prefix.digest_at(r, p) not in self.prefix.snapshots]
         return decision.length, cached, uploads

@@ -11,6 +11,12 @@ Bounded replay (engine.md §1.4): a request row may set ``window_floor`` (its to
 position below it: attention truncated to the replayed segment) and ``global_write_from`` (its
 tokens below it write no block KV: the cached blocks are reused as they are, never overwritten).
 
+Decoder bounded replay (YOCO prefill, engine.md §1.4): with ``decoder_rows`` only those tokens (a
+contiguous tail of each request's tokens) run the layers after ``cfg.decoder_start``; the others stop
+after the decoder's KV-source layer, which has already written the decoder's block KV for every
+token from the encoder output. Decoder windows then see no position below ``decoder_floor``, and
+``logit_rows`` index into ``decoder_rows``.
+
 Padding: tokens with ``token_valid = False`` and request rows whose ``req_slot`` is out of range
 write nothing (scatters drop out-of-range indices). Validation of positions, block tables and
 bucket sizes happens on the host, before this function is called (``deepinfer_jax.runner``).
@@ -50,6 +56,9 @@ class StepInputs(NamedTuple):
     logit_rows: jax.Array  # [M] flat token indices whose logits are returned
     window_floor: jax.Array | None = None  # [R] first position a window may see (bounded replay; None = 0)
     global_write_from: jax.Array | None = None  # [R] positions below it write no block KV (reused; None = 0)
+    decoder_rows: jax.Array | None = None  # [D] flat tokens that run the decoder (YOCO prefill; None = all)
+    decoder_valid: jax.Array | None = None  # [D] bool; False = padding of decoder_rows
+    decoder_floor: jax.Array | None = None  # [R] first position a decoder layer's window may see
 
 
 class _Step(NamedTuple):
@@ -226,7 +235,10 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
     pre = jnp.zeros((1, n, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     rows = _engram_rows(model, cache, m) if cfg.engram_layer_ids else None
     shared = _Shared()
+    m_all = m
     for layer, block in enumerate(model.layers):
+        if inp.decoder_rows is not None and layer == cfg.decoder_start + 1:
+            m, streams, pre, shared = _to_decoder_rows(m, streams, pre, shared, inp)
         if block.engram_index is not None:
             streams = block.engram(streams, rows[:, :, block.engram_index])
         attn_mix = block.mix("attn", streams)
@@ -238,10 +250,25 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
         streams = mhc.expand(out, streams, ffn_mix)
         pre = ffn_mix.pre
     if cfg.engram_layer_ids:
-        cache = {**cache, "engram": _engram_history(cache, m, cfg.engram_max_ngram_size)}
+        cache = {**cache, "engram": _engram_history(cache, m_all, cfg.engram_max_ngram_size)}
     h = model.norm(mhc.collapse(streams[:, inp.logit_rows], pre[:, inp.logit_rows]))[0]
     logits = matmul_t(h.astype(jnp.float32), model.head.weight[...].astype(jnp.float32))
     return logits, cache
+
+
+def _to_decoder_rows(m: _Step, streams, pre, shared: _Shared, inp: StepInputs):
+    """Narrow the step to the tokens that run the decoder (``inp.decoder_rows``)."""
+    rows = inp.decoder_rows
+    sub = inp._replace(token_ids=inp.token_ids[rows], positions=inp.positions[rows], token_req=inp.token_req[rows],
+                       token_valid=inp.decoder_valid & inp.token_valid[rows])
+    floor = m.floor[rows]
+    if inp.decoder_floor is not None:
+        floor = jnp.maximum(floor, inp.decoder_floor[sub.token_req])
+    m = m._replace(inp=sub, pos=sub.positions, idx=jnp.arange(rows.shape[0]), ctx=m.ctx[rows], new=m.new[rows],
+                   slot=m.slot[rows], valid=sub.token_valid, floor=floor, write_from=m.write_from[rows])
+    shared = shared._replace(topk=None if shared.topk is None else shared.topk[rows],
+                             candidates=None if shared.candidates is None else shared.candidates[rows])
+    return m, streams[:, rows], pre[:, rows], shared
 
 
 class _CacheGeometry(NamedTuple):

@@ -44,6 +44,9 @@ class ChunkSpec:
     from the chunk's last position; ``feed_last`` replaces ``token_ids[0]`` by the token the slot
     sampled last, still on the device. ``window_floor`` / ``global_write_from``: bounded replay
     (``model.paged``): windows truncated below the floor; no block KV written below the second.
+    ``decoder_from`` / ``decoder_floor``: decoder bounded replay (runners built with
+    ``decoder_replay``): only tokens at or past ``decoder_from`` run the decoder layers, whose windows
+    see nothing below ``decoder_floor``.
     """
 
     slot: int
@@ -55,6 +58,8 @@ class ChunkSpec:
     feed_last: bool = False
     window_floor: int = 0
     global_write_from: int = 0
+    decoder_from: int = 0
+    decoder_floor: int = 0
     offsets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
@@ -144,7 +149,8 @@ class PendingStep:
 class ModelRunner:
     """Owns the device cache and the compiled step for one model and cache layout."""
 
-    def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5):
+    def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5,
+                 decoder_replay: bool = False):
         cache_cfg.validate_for(cfg)
         self.cfg, self.params, self.cache_cfg = cfg, params, cache_cfg
         self.buckets = buckets or Buckets()
@@ -153,6 +159,9 @@ class ModelRunner:
         if not isinstance(num_top_logprobs, int) or num_top_logprobs < 1:
             raise ValueError(f"num_top_logprobs must be an int >= 1, got {num_top_logprobs!r}")
         self.num_top_logprobs = num_top_logprobs
+        if decoder_replay and cfg.decoder_start >= cfg.num_hidden_layers - 1:
+            raise ValueError("decoder_replay needs a model with decoder layers (a CED split)")
+        self.decoder_replay = decoder_replay
         self.cache = init_cache(cfg, cache_cfg)
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._fn = jax.jit(_step, static_argnums=(1, 2), donate_argnums=(3,))
@@ -179,9 +188,11 @@ class ModelRunner:
             self.restore_swa(0, None, [])
             self.block_payloads(self.read_blocks([0]))
             self.write_blocks([0], self.block_payloads(self.read_blocks([0])))
-        for i, (n, r, b) in enumerate(shapes):
+        if sampling and self.decoder_replay:  # every decoder-token bucket that fits each token bucket
+            shapes = [(n, r, b, d) for n, r, b in shapes for d in self.buckets.tokens if d <= n]
+        for i, (n, r, b, *d) in enumerate(shapes):
             if sampling:
-                self._launch([], n, r, b).result()
+                self._launch([], n, r, b, *d).result()
             else:
                 self._run(self._inputs([], n, r, b))
             if progress is not None:
@@ -258,11 +269,13 @@ class ModelRunner:
         return out
 
     # -- internals ---------------------------------------------------------------------------
-    def _launch(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int) -> PendingStep:
+    def _launch(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int, d: int | None = None) -> PendingStep:
         inputs = self._inputs(chunks, n, r, b)
         # one logit row per request row: its chunk's last token
         rows = np.array([inputs.req_start[i] + len(c.token_ids) - 1 for i, c in enumerate(chunks)] + [0] * (r - len(chunks)),
                         np.int32)
+        if self.decoder_replay:
+            inputs, rows = self._decoder_rows(chunks, inputs, rows, d)
         feed = np.zeros(n, bool)
         specs = [c.sample or SampleSpec() for c in chunks] + [SampleSpec()] * (r - len(chunks))
         sample_slot = np.full(r, self.cache_cfg.max_requests, np.int32)
@@ -282,6 +295,24 @@ class ModelRunner:
             self.params, self.cfg, self.cache_cfg, self.num_top_logprobs, self.cache, self.last_ids, feed,
             inputs._replace(logit_rows=rows), sampling, sample_slot)
         return PendingStep(out, list(chunks))
+
+    def _decoder_rows(self, chunks, inputs: StepInputs, rows: np.ndarray, d: int | None):
+        """The tokens that run the decoder (each chunk's tail from ``decoder_from``), padded to a bucket,
+        and the logit rows re-indexed into them (a chunk without decoder tokens samples nothing)."""
+        flat, floor, remap = [], np.zeros(len(inputs.req_slot), np.int32), {}
+        for i, c in enumerate(chunks):
+            first = max(0, c.decoder_from - c.ctx_len)
+            for k in range(first, len(c.token_ids)):
+                remap[int(inputs.req_start[i]) + k] = len(flat)
+                flat.append(int(inputs.req_start[i]) + k)
+            floor[i] = c.decoder_floor
+        d = d or Buckets.pick(self.buckets.tokens, max(1, len(flat)), "decoder tokens in the step")
+        dec = np.zeros(d, np.int32)
+        dec[: len(flat)] = flat
+        valid = np.zeros(d, bool)
+        valid[: len(flat)] = True
+        rows = np.array([remap.get(int(x), 0) for x in rows], np.int32)
+        return inputs._replace(decoder_rows=dec, decoder_valid=valid, decoder_floor=floor), rows
 
     def _run(self, inputs: StepInputs) -> np.ndarray:
         logits, self.cache = self._fn(self.params, self.cfg, self.cache_cfg, self.cache, inputs)
