@@ -13,8 +13,8 @@ a new Python process then starts a fresh engine on the same directory (with enco
 replay, since SWA windows are never stored) and sends every session's final prompt: its hits
 are the previous process's blocks.
 
-Not measured yet (the decoder bounded replay of the prefix-cache issue is not built): prefill
-FLOPs with decoder bounded replay. Last line: cold/hit TTFT ratio.
+Decoder bounded replay: prefill FLOPs and time with it on vs off for prompts of ``--yoco-lengths``
+tokens (``benchmarks/yoco_prefill.py``). Last line: cold/hit TTFT ratio.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--new", type=int, default=64, help="new tokens per turn")
     ap.add_argument("--out", type=int, default=16, help="generated tokens per turn")
+    ap.add_argument("--yoco-lengths", default="1024,4096,16384", help="prompt lengths for decoder replay ('' = skip)")
     args = ap.parse_args()
     max_len = ENGINE["max_model_len"]
     store = tempfile.mkdtemp(prefix="deepinfer-store-")
@@ -130,10 +131,17 @@ def main() -> None:
     restart_hits = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"restart: a new process on the same store hit {restart_hits} tokens of final prompts "
           f"{[r['prompt'] for r in finals.values()]} (encoder bounded replay for the windows)")
+    yoco = []
+    if args.yoco_lengths:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import yoco_prefill
+
+        yoco = yoco_prefill.run(args.model, tuple(int(x) for x in args.yoco_lengths.split(",")), repeats=1)
+        yoco_prefill.print_rows(yoco)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prefix_cache.json").write_text(json.dumps({"hit": hit, "cold": cold, "restart_hits": restart_hits},
-                                                      indent=1))
+    (out / "prefix_cache.json").write_text(json.dumps({"hit": hit, "cold": cold, "restart_hits": restart_hits,
+                                                       "decoder_replay": yoco}, indent=1))
     print(f"cold/hit TTFT ratio (turns >= 2): {ttft_cold / ttft_hit:.2f}x")
 
 
