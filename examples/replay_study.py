@@ -3,10 +3,10 @@
     python examples/replay_study.py [--model DIR|tiny|small] [--hit 128] [--sequences 4] [--out DIR]
 
 Teacher-forces real text (the Python standard library's own source, tokenized with the DeepSeek-V4
-tokenizer) through the exact state and through encoder bounded replay of W, 2W and 4W tokens
-(W = the sliding window) from a hit point, with ``deepinfer_jax.research.replay``; writes a PNG
-(log10 KL by distance from the replay point, one line per W) and a markdown table of the summary
-numbers into ``--out`` (default benchmarks/results/).
+tokenizer) through the exact state and through encoder and decoder bounded replay of W, 2W and 4W
+tokens (W = the sliding window) from a hit point, with ``deepinfer_jax.research.replay``; writes a
+PNG (log10 KL by distance from the replay point, one line per mode and W) and a markdown table of
+the summary numbers into ``--out`` (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -42,24 +42,25 @@ def main() -> None:
     n = args.hit + args.continuation + 1
     seqs = [[cfg.bos_token_id] + ids[i * n : (i + 1) * n - 1] for i in range(args.sequences)]
     w = cfg.sliding_window
-    results = replay_study(params, cfg, seqs, hit=args.hit, replay_lengths=[w, 2 * w, 4 * w])
+    results = [(mode, r) for mode in ("encoder", "decoder")
+               for r in replay_study(params, cfg, seqs, hit=args.hit, replay_lengths=[w, 2 * w, 4 * w], mode=mode)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    series = [{"x": np.arange(len(r.kl)), "y": np.log10(np.maximum(r.kl, 1e-12)), "color": COLORS[i]}
-              for i, r in enumerate(results)]
+    series = [{"x": np.arange(len(r.kl)), "y": np.log10(np.maximum(r.kl, 1e-12)), "color": COLORS[i % 3],
+               "marker": mode == "decoder"} for i, (mode, r) in enumerate(results)]
     png = line_plot_png(out / "replay_study.png", series)
-    rows = ["| replay W | mean KL | top-1 agreement | mean abs dlogprob (ref token) | max SWA rel err | "
-            "mean SWA rel err, first window |", "|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
+    rows = ["| replay | W | mean KL | top-1 agreement | mean abs dlogprob (ref token) | max SWA rel err | "
+            "mean SWA rel err, first window |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, r in results:
         s = r.summary
-        rows.append(f"| {s['replay_tokens']} | {s['mean_kl']:.3g} | {100 * s['top1_agree']:.1f}% | "
+        rows.append(f"| {mode} | {s['replay_tokens']} | {s['mean_kl']:.3g} | {100 * s['top1_agree']:.1f}% | "
                     f"{s['mean_abs_dlogprob']:.3g} | {s['max_swa_rel_err']:.3g} | "
                     f"{s['mean_swa_rel_err_first_window']:.3g} |")
     table = "\n".join(rows)
     (out / "replay_study.md").write_text(
         f"# Encoder bounded replay vs exact\n\nmodel: {ckpt or args.model}, hit at {args.hit}, "
         f"{args.continuation} teacher-forced positions x {args.sequences} sequences of json/decoder+encoder "
-        f"source; window {w}.\n\n{table}\n\n![log10 KL by distance]({png.name})\n")
+        f"source; window {w}.\n\n{table}\n\nLines: W, 2W, 4W (blue, orange, green); decoder replay drawn with markers.\n\n![log10 KL by distance]({png.name})\n")
     print(table)
     print(f"wrote {png} and {out / 'replay_study.md'}")
 

@@ -1,5 +1,5 @@
-"""The bounded-replay research tool: replaying the whole hit prefix is exact; shorter replays drift,
-less the longer they are."""
+"""The bounded-replay research tool (encoder and decoder replay): replaying the whole prefix is exact;
+shorter replays drift, less the longer they are."""
 
 from __future__ import annotations
 
@@ -20,5 +20,12 @@ def test_replay_study_measures_the_approximation():
     assert by_w[8].kl.mean() > 1e-7 and by_w[8].swa_rel_err.max() > 1e-3  # the truncation is real
     assert by_w[8].kl.mean() > by_w[16].kl.mean() > exact.kl.mean()
     assert by_w[8].swa_rel_err.shape == (CFG.num_hidden_layers, 90 - 48 - 1)
+    dec = {r.replay_tokens: r for r in replay_study(robust_params(), CFG, seqs, hit=48, replay_lengths=[8, 48],
+                                                      mode="decoder")}
+    assert dec[48].kl.max() == 0 and dec[48].swa_rel_err.max() == 0  # the whole prompt runs the decoder: exact
+    assert dec[8].kl.mean() > 0 and dec[8].swa_rel_err[: CFG.decoder_start].max() == 0  # encoder windows exact
+    assert dec[8].swa_rel_err[CFG.decoder_start + 1 :].max() > 1e-4
+    with pytest.raises(ValueError, match="mode"):
+        replay_study(robust_params(), CFG, seqs, hit=48, replay_lengths=[8], mode="both")
     with pytest.raises(ValueError, match="replay_lengths"):
         replay_study(robust_params(), CFG, seqs, hit=48, replay_lengths=[64])

@@ -11,8 +11,11 @@ For each token sequence and replay length ``W``, two requests run side by side i
 At every continuation position ``hit + d`` it records KL(p_exact || p_approx), whether the two
 argmaxes agree, and |delta logprob| of the reference (next) token; and for every layer the
 relative error ||kv_approx - kv_exact|| / ||kv_exact|| of the SWA row written at that position.
-Encoder bounded replay is what the engine implements (``EngineConfig.encoder_replay``); it is
-applied to every layer's window here, as in the engine (decoder bounded replay is not built yet).
+``mode="encoder"`` is encoder bounded replay (``EngineConfig.encoder_replay``; applied to every
+layer's window, as in the engine). ``mode="decoder"`` is decoder bounded replay (YOCO prefill,
+``EngineConfig.decoder_replay``): the approximate request prefills ``0 .. hit - 1`` itself, with
+only the last ``W`` prompt tokens running the layers after the decoder's KV source (their windows
+truncated there); its block KV is exact, only decoder windows differ.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def replay_study(params, cfg, sequences: Sequence[Sequence[int]], hit: int, replay_lengths: Sequence[int],
-                 block_size: int = 16, chunk: int | None = None) -> list[ReplayResult]:
+                 block_size: int = 16, chunk: int | None = None, mode: str = "encoder") -> list[ReplayResult]:
     """Run the comparison (module docstring). ``hit`` is a multiple of ``block_size``; every sequence
     is longer than ``hit + 1``; each ``W`` in ``replay_lengths`` is <= ``hit``. Sequences are cut to
     the shortest one's length."""
@@ -58,15 +61,20 @@ def replay_study(params, cfg, sequences: Sequence[Sequence[int]], hit: int, repl
         raise ValueError(f"hit must be a positive multiple of block_size={block_size} below {n_tok - 1}")
     if any(not 0 < w <= hit for w in replay_lengths):
         raise ValueError(f"replay_lengths must lie in (0, hit={hit}]")
+    if mode not in ("encoder", "decoder"):
+        raise ValueError(f"mode must be 'encoder' or 'decoder', got {mode!r}")
+    decoder = mode == "decoder"
     per = math.ceil(n_tok / block_size)
     cc = CacheConfig(block_size=block_size, num_blocks=2 * per, max_requests=2, max_blocks_per_request=per,
                      storage="dequantized")
     cap = cc.ring_capacity(cfg)
     chunk = chunk or max(1, cap - cfg.sliding_window)  # the ring still holds every row of the chunk after it
     tokens = 1 << max(4, math.ceil(math.log2(max(hit, chunk + max(replay_lengths)))))
-    runner = ModelRunner(cfg, params, cc, Buckets(tokens=(tokens,), requests=(2,), blocks=(per,)))
-    exact_blocks, approx_blocks = list(range(per)), list(range(hit // block_size)) + list(range(per + hit // block_size,
-                                                                                                2 * per))
+    runner = ModelRunner(cfg, params, cc, Buckets(tokens=(tokens,), requests=(2,), blocks=(per,)),
+                         decoder_replay=decoder)
+    exact_blocks = list(range(per))
+    shared = 0 if decoder else hit // block_size  # decoder replay prefills its own blocks
+    approx_blocks = list(range(shared)) + list(range(per + shared, 2 * per))
     results = []
     for w in replay_lengths:
         kl, agree, dlp, err = [], [], [], []
@@ -76,6 +84,11 @@ def replay_study(params, cfg, sequences: Sequence[Sequence[int]], hit: int, repl
             rows = {0: [], 1: []}
             errs = []
             start_a, pos = hit - w, hit
+            approx = {"window_floor": hit - w, "global_write_from": hit}
+            if decoder:  # its own prefill: the decoder runs on the last w prompt tokens only
+                approx = {"decoder_from": hit - w, "decoder_floor": hit - w}
+                runner.execute([ChunkSpec(slot=1, block_table=approx_blocks, ctx_len=0, token_ids=seq[:hit], **approx)])
+                start_a = hit
             while pos < n_tok - 1:
                 end = min(n_tok - 1, pos + chunk)
                 a_ids = seq[start_a:end]
@@ -83,8 +96,7 @@ def replay_study(params, cfg, sequences: Sequence[Sequence[int]], hit: int, repl
                     ChunkSpec(slot=0, block_table=exact_blocks, ctx_len=pos, token_ids=seq[pos:end],
                               logits=range(end - pos)),
                     ChunkSpec(slot=1, block_table=approx_blocks, ctx_len=start_a, token_ids=a_ids,
-                              logits=range(pos - start_a, end - start_a), window_floor=hit - w,
-                              global_write_from=hit)])
+                              logits=range(pos - start_a, end - start_a), **approx)])
                 rows[0].append(out[0])
                 rows[1].append(out[1])
                 ring_e = np.asarray(jax.tree.leaves(runner.snapshot_swa(0))[0])  # [L, cap, D]

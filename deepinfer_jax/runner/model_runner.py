@@ -261,7 +261,11 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ChunkSpec]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32)."""
         n, r, b = self._validate(chunks)
-        logits = self._run(self._inputs(chunks, n, r, b))
+        inputs = self._inputs(chunks, n, r, b)
+        if self.decoder_replay:  # wanted rows must lie in each chunk's decoder tail
+            inputs, rows = self._decoder_rows(chunks, inputs, inputs.logit_rows, None)
+            inputs = inputs._replace(logit_rows=rows)
+        logits = self._run(inputs)
         out, at = [], 0
         for c in chunks:
             out.append(logits[at : at + len(c.offsets)])
