@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 ORACLE := torch==2.13.0 "transformers>=5.18,<6" pillow
 NEMO := nemo-automodel==0.7.0
 
-.PHONY: demo test bench checkpoint clean
+.PHONY: demo test bench checkpoint train clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install -e ".[test]" $(ORACLE)
+	$(PIP) install -e ".[test,train]" $(ORACLE)
 	$(PIP) install --no-deps $(NEMO)
 	touch $@
 
@@ -39,3 +39,7 @@ checkpoint: $(VENV)/.runtime
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache
+
+# Retrain the default checkpoint from scratch (~38 min training + ~6 min evaluation on 2 cores), rewrite its card.
+train: $(VENV)/.test
+	$(PY) examples/train_small.py

@@ -1,6 +1,6 @@
 """``LLM``: the offline facade, in the shape vLLM users know.
 
-    llm = LLM()                                   # the shipped checkpoint (checkpoints/small-random)
+    llm = LLM()                                   # the shipped checkpoint (checkpoints/small-trained)
     llm = LLM("path/to/hf_dir", max_num_seqs=16)   # a Hugging Face-format V4.1 directory
     llm = LLM("tiny")                             # a preset config with seeded random weights
     outs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0.7, max_tokens=32))
@@ -37,7 +37,7 @@ from deepinfer_jax.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_CHECKPOINT", "LLM", "PRESETS"]
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "small-random"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "small-trained"
 #: Preset names: a config with seeded random weights (``init_params(cfg, seed=0)``).
 PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
 _DEFAULT_MAX_MODEL_LEN = 2048

@@ -2,9 +2,8 @@
 
     python examples/forward.py [--checkpoint DIR] [--prompt TEXT] [--top 10]
 
-The default checkpoint (checkpoints/small-random) is a seeded *random* `small` model: the
-predictions are meaningless until the trained checkpoint replaces it, but every part of the path
-is real — FP8/FP4 checkpoint decoding, the DeepSeek-V4 tokenizer, Engram hashing with the
+The default checkpoint (checkpoints/small-trained) is the `small` model trained on the Python
+standard library; every part of the path is real — FP8/FP4 checkpoint decoding, the DeepSeek-V4 tokenizer, Engram hashing with the
 tokenizer-derived map, CSA2 attention, mHC, MoE.
 """
 
@@ -20,13 +19,13 @@ import numpy as np
 from deepinfer_jax import forward_full, load_hf_checkpoint
 from deepinfer_jax.tokenizer import load_tokenizer
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "small-random"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "small-trained"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
-    parser.add_argument("--prompt", default="The capital of France is")
+    parser.add_argument("--prompt", default="def __init__(self")
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args()
 

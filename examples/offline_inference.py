@@ -2,8 +2,8 @@
 
     python examples/offline_inference.py [--model DIR|tiny|small] [--max-tokens 24] [--sync] [--chunking tokens]
 
-Loads the default checkpoint (checkpoints/small-random, a seeded *random* `small` model: the text
-is gibberish until a trained checkpoint replaces it, but every part of the path is real), compiles
+Loads the default checkpoint (checkpoints/small-trained: the `small` model trained on the Python
+standard library, so expect Python-flavoured continuations from a 39M-parameter model), compiles
 the step buckets, fits the step-cost model (cached on disk after the first run), generates for a
 few prompts with a progress bar, and prints the outputs and a metrics summary.
 """
@@ -17,13 +17,7 @@ import numpy as np
 
 from deepinfer_jax import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "深度求索的推理引擎",
-    "The three laws of thermodynamics are",
-]
+PROMPTS = ["import os\n", "def fibonacci(n):", "class Queue:\n", "    for i in range(", 'if __name__ == "__main__":\n']
 
 
 def main() -> None:

@@ -57,14 +57,18 @@ def model_nll(params, cfg, windows: np.ndarray, batch: int = 16) -> np.ndarray:
     return np.concatenate(out)
 
 
-def greedy_samples(checkpoint: str | Path, prompts=PROMPTS, max_tokens: int = 48) -> list[dict]:
-    """Greedy continuations through the engine (``LLM``), with the settings ``make demo`` uses."""
+def greedy_samples(checkpoint: str | Path, prompts=PROMPTS, max_tokens: int = 48) -> dict[str, list[dict]]:
+    """Continuations through the engine (``LLM``) with the engine settings of ``make demo``: greedy, and
+    sampled at temperature 0.8 / top-p 0.95 with seed ``i`` for prompt ``i`` (reproducible)."""
     from deepinfer_jax import LLM, SamplingParams
 
     llm = LLM(str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, block_size=32, max_model_len=256,
               chunking="tokens", use_tqdm=False)
-    outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    return [{"prompt": o.prompt, "completion": o.outputs[0].text} for o in outs]
+    greedy = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    sampled = llm.generate(list(prompts), [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=i)
+                                           for i in range(len(prompts))], use_tqdm=False)
+    return {kind: [{"prompt": o.prompt, "completion": o.outputs[0].text} for o in outs]
+            for kind, outs in (("greedy", greedy), ("sampled", sampled))}
 
 
 def _summary(nll: np.ndarray) -> dict:
@@ -94,8 +98,11 @@ def evaluate_and_write_card(out_dir, tc, corpus, info: dict, tokenizer, *, fixtu
                             work_dir: str | None = None, random_checkpoint: str | Path | None = None,
                             samples: bool = True) -> dict:
     """Measure the exported checkpoint in ``out_dir`` and write ``metrics.json``, the curve and the card."""
+    import time
+
     from deepinfer_jax.checkpoint import load_hf_checkpoint
 
+    t0 = time.perf_counter()
     out = Path(out_dir)
     cfg, params = load_hf_checkpoint(out, progress=False)
     bos, vocab = cfg.bos_token_id, cfg.vocab_size
@@ -137,6 +144,7 @@ def evaluate_and_write_card(out_dir, tc, corpus, info: dict, tokenizer, *, fixtu
     m["corpus"]["heldout_file_list"] = list(corpus.heldout_files)
     if samples:
         m["samples"] = greedy_samples(out)
+    m["eval"]["wall_s"] = round(time.perf_counter() - t0, 1)
     (out / "metrics.json").write_text(json.dumps(m, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     if rows:
         _loss_curve(out / "loss_curve.png", rows, uni)
@@ -163,7 +171,10 @@ def model_card(m: dict, cfg) -> str:
     fixture = (f"On the checked-in sample `{fx['path']}` (first {fx['tokens']} tokens, after BOS) the model scores "
                f"**{fx['loss']:.3f}** nats/token against **{fx['unigram_loss']:.3f}** for the unigram "
                "(`tests/test_train.py` checks this).") if fx else ""
-    samples = "\n\n".join(f"**{s['prompt']!r}** →\n```\n{s['prompt']}{s['completion']}\n```" for s in m.get("samples", []))
+
+    def show(kind):
+        return "\n\n".join(f"`{s['prompt']!r}` →\n```\n{s['prompt']}{s['completion']}\n```"
+                           for s in m.get("samples", {}).get(kind, []))
     ev = m["eval"]
     return f"""# small-trained: the `small` DeepSeek-V4.1-architecture model trained on the Python standard library
 
@@ -185,25 +196,32 @@ at a seeded random offset.
 
 ## Training
 
-`python examples/train_small.py` (one command: trains, resumes if interrupted, exports, evaluates and writes
-this card). {t['steps_done']} steps of {t['batch_size']} x {t['seq_len']} tokens: **{t['tokens_seen']:,}
-tokens seen** (~{t['tokens_seen'] / max(c['train_tokens'], 1):.2f} epochs), **{t['wall_s'] / 60:.1f} minutes**
-of wall time on {t['machine']} (shared with other work, `nice -n 19`). AdamW (b2 {t['b2']}, weight decay
-{t['weight_decay']} on matrices), peak learning rate {t['lr']} after {t['warmup_steps']} warm-up steps, cosine
-decay to {t['min_lr_ratio']} of it, gradient clipping at {t['grad_clip']}, seed {t['seed']}, fp32.
+{t['steps_done']} steps of {t['batch_size']} x {t['seq_len']} tokens: **{t['tokens_seen']:,} tokens seen**
+(~{t['tokens_seen'] / max(c['train_tokens'], 1):.2f} epochs) in **{t['wall_s'] / 60:.1f} minutes** of training wall
+time (compilation and checkpoints included) on {t['machine']}, shared with other work and run at `nice -n 19`.
+AdamW (b2 {t['b2']}, weight decay {t['weight_decay']} on matrices), peak learning rate {t['lr']} after
+{t['warmup_steps']} warm-up steps, cosine decay to {t['min_lr_ratio']} of it, gradient clipping at {t['grad_clip']},
+seed {t['seed']}, fp32.
 
 * Weights are trained quantization-aware in their shipped formats (straight-through estimator), so the
   exported FP8/FP4 checkpoint computes what training optimised.
 * The forward ran without the activation fake-quant boundaries (FP4 rounding has no gradient); the
   shipped config keeps the engine's default `fake_quant=True`, and both are measured below.
 * The {cfg.vocab_size - t['seen_vocab']:,} vocabulary entries that never occur in the training split
-  share one trained head row, which makes the full softmax exact with one extra logit and the step
-  ~5x cheaper; they are still scored (all metrics are full-vocabulary).
+  share one trained head row, which keeps the full softmax exact with one extra logit and makes the
+  head several times cheaper (its forward and backward over all 129,280 columns otherwise dominate a
+  step); they are still scored: all metrics below are full-vocabulary.
+
+**Reproduce** with one command, `python examples/train_small.py` (the `train` extra: optax): it tokenizes,
+trains (resuming from the latest orbax checkpoint of an interrupted run, bit for bit), exports, evaluates
+and rewrites this card and `metrics.json`; the evaluation took {ev['wall_s'] / 60:.1f} minutes more.
 
 ![loss curve](loss_curve.png)
 
-Grey: training loss per step; blue: its moving average; red dots: held-out loss on {t['eval_windows']}
-windows during training (training numerics); dashed green: the unigram baseline.
+Grey: training loss per step; blue: its moving average; red squares: held-out loss during training
+(training numerics) on the first {t['eval_windows']} held-out windows only, i.e. the first held-out files, which
+happen to be easier than the average (the table below scores {ev['windows']} windows); dashed green: the unigram
+baseline.
 Final training loss (mean of the last 20 steps): {t['final_train_loss_last20']:.3f}.
 
 ## Held-out metrics
@@ -217,16 +235,22 @@ full-vocabulary softmax, nats per token:
 
 {fixture}
 
-## Greedy samples (through `LLM`, temperature 0, 48 tokens)
+## Samples (through `LLM`, 48 tokens, the prompt shown first)
 
-{samples}
+Greedy (temperature 0). A model this small falls into loops quickly when decoded greedily:
+
+{show("greedy")}
+
+Sampled at temperature 0.8, top-p 0.95, seed = the prompt's index (as `make demo` samples):
+
+{show("sampled")}
 
 ## Known limits
 
 * A 39M-parameter model (most of it the 129,280 x 128 embedding and head) that has seen ~{t['tokens_seen'] / 1e6:.1f}M
   tokens of Python: it continues Python source with plausible local structure (imports, `def`/`self`
   patterns, indentation, docstrings), not correct programs, and knows nothing else (English prose or
-  other languages come back as Python-flavoured text).
+  other languages come back as Python-flavoured text). Greedy decoding repeats itself within a few lines.
 * Trained on windows of {t['seq_len']} tokens: positions beyond that were never seen in training.
 * The lightning indexer and the router's selection bias receive no gradient from the language-model loss
   (top-k selection is discrete; aux-loss-free balancing is not implemented) and keep their initial values,

@@ -86,8 +86,13 @@ def line_plot_png(path: str | Path, series: Sequence[dict], hlines: Sequence[dic
     x0, x1 = 0.0, float(xs.max()) if xs.size else 1.0
     y0, y1 = ylim if ylim else (float(np.floor(ys.min())), float(np.ceil(ys.max())))
     c = _Canvas(width, height)
-    px = lambda x: left + (x - x0) / max(x1 - x0, 1e-12) * (width - left - right)
-    py = lambda y: top + (y1 - y) / max(y1 - y0, 1e-12) * (height - top - bottom)
+
+    def px(x: float) -> float:
+        return left + (x - x0) / max(x1 - x0, 1e-12) * (width - left - right)
+
+    def py(y: float) -> float:
+        return top + (y1 - y) / max(y1 - y0, 1e-12) * (height - top - bottom)
+
     grey, black = (225, 225, 225), (0, 0, 0)
     for t in _ticks(y0, y1):
         c.line(px(x0), py(t), px(x1), py(t), grey)

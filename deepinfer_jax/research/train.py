@@ -180,11 +180,20 @@ def token_nll(params, consts, cfg, tie_unseen: int, formats, windows: jax.Array)
     return nll
 
 
+def _norm(tree) -> jax.Array:
+    """The global L2 norm of a pytree (``optax.tree.norm``; ``optax.global_norm`` before optax 0.2.5)."""
+    tree_utils = getattr(optax, "tree", None)
+    return tree_utils.norm(tree) if hasattr(tree_utils, "norm") else optax.global_norm(tree)
+
+
 def make_optimizer(tc: TrainConfig):
     """(AdamW with global-norm clipping and warmup + cosine decay, the learning-rate schedule)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, max(tc.steps, tc.warmup_steps + 1),
                                                   tc.lr * tc.min_lr_ratio)
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # matrices only
+
+    def decay_mask(params):  # weight decay on matrices only
+        return jax.tree.map(lambda x: x.ndim >= 2, params)
+
     opt = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
                       optax.adamw(schedule, b1=0.9, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
     return opt, schedule
@@ -212,7 +221,7 @@ def make_train_step(cfg, tc: TrainConfig, tie_unseen: int):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, consts, windows)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": _norm(grads)}
 
     return jax.jit(step, donate_argnums=0)
 
@@ -360,7 +369,7 @@ def train(tc: TrainConfig, work_dir: str | Path, data: TrainData, cfg: ModelConf
             if (s + 1) % tc.ckpt_every == 0 or s + 1 == end:
                 meta = {"elapsed_s": elapsed0 + time.perf_counter() - t0, "tokens": (s + 1) * tokens_per_step}
                 save_checkpoint(work / CKPT_DIR, state, meta, tc.keep_checkpoints)
-    elapsed = elapsed0 + time.perf_counter() - t0
+    elapsed = elapsed0 + (time.perf_counter() - t0 if end > start else 0.0)
     return state, {"tie": tie, "token_map": token_map, "elapsed_s": elapsed, "metrics": rows,
                    "tokens_seen": int(state.step) * tokens_per_step}
 
