@@ -20,10 +20,7 @@ import copy
 import json
 import math
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,10 @@ from deepinfer_jax.engram_vocab import deepseek_v4_tokenizer_path
 from deepinfer_jax.recipe.conversation import AssistantMessage, Conversation, SystemMessage, UserMessage
 from deepinfer_jax.recipe.encode import encode_rendered
 from deepinfer_jax.recipe.tokenizer import load_prompt_tokenizer, v41_tokenizer_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recipe_stream
+from recipe_stream import _median_times
 
 ROOT = Path(__file__).resolve().parent.parent
 LICENSES = Path("/usr/share/common-licenses")
@@ -74,18 +75,6 @@ def _many_messages(n: int = 2001) -> Conversation:
     return Conversation(msgs, thinking_mode=True)
 
 
-def _interleaved(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
-    for fn in fns:  # warm-up
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
-
-
 def _row(name: str, ours: float, official: float | None, **extra: Any) -> dict[str, Any]:
     ratio = ours / official if official else float("nan")
     return {"name": name, "ours_s": ours, "official_s": official if official else float("nan"), "ratio": ratio,
@@ -126,32 +115,25 @@ def core_rows(repeats: int) -> list[dict[str, Any]]:
             wc = wbig if wconv == "big" else wmany
             fns.append(lambda w=wheel[version], c=wc: w.encode(c))
             assert fns[1]() == ours_fn(), f"token ids differ: {name}"
-        t = _interleaved(fns, repeats)
+        t = _median_times(fns, repeats)
         rows.append(_row(name, t[0], t[1] if len(t) > 1 else None, tokens=n_tokens))
     for name, conv, wconv in (("render 100k-token conversation, V4.1", big, "big"),
                               ("render 2,001-message conversation, V4.1", many, "many")):
         fns = [lambda c=conv: recipe.render(c, "v4.1")]
         if wheel is not None:
             fns.append(lambda w=wheel["v4.1"], c=(wbig if wconv == "big" else wmany): w.render_conversation(c))
-        t = _interleaved(fns, max(repeats, 25))
+        t = _median_times(fns, max(repeats, 25))
         rows.append(_row(name, t[0], t[1] if len(t) > 1 else None))
     fns = [lambda: recipe.convert_request(copy.deepcopy(body), "chat")]
     if dr is not None:
         fns.append(lambda: dr.ChatCompletionRequest(copy.deepcopy(body)).convert(dr.ConversionOptions()))
-    t = _interleaved(fns, max(repeats, 25))
+    t = _median_times(fns, max(repeats, 25))
     rows.append(_row("convert a ~470 KB Chat request (incl. body copy)", t[0], t[1] if len(t) > 1 else None))
     return rows
 
 
 def stream_rows(repeats: int) -> list[dict[str, Any]]:
-    """Rows of benchmarks/recipe_stream.py (a colleague's streaming benchmark), when it exists."""
-    path = ROOT / "benchmarks" / "recipe_stream.py"
-    if not path.is_file():
-        print("note: benchmarks/recipe_stream.py not found; streaming rows skipped")
-        return []
-    sys.path.insert(0, str(path.parent))
-    import recipe_stream
-
+    """The rows of benchmarks/recipe_stream.py (streaming parse cost per token)."""
     return list(recipe_stream.run(repeats))
 
 

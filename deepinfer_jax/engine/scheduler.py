@@ -26,6 +26,7 @@ import collections
 from dataclasses import dataclass, field
 
 from deepinfer_jax.cache import BlockPool, OutOfBlocks, RequestBlocks
+from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.prefix_cache import PrefixCache
 from deepinfer_jax.engine.request import Request, Status
@@ -83,8 +84,6 @@ class Scheduler:
         self.free_slots = collections.deque(range(max_num_seqs))
         self.num_preemptions = 0
         self.decoder_keep = decoder_keep  # decoder bounded replay: prompt tokens that run the decoder
-        from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
-
         #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
         self.prefix = None if prefix_extra is None else PrefixCache(
             self.pool, block_size, ring_rows, prefix_extra, SwaSnapshotStore(swa_snapshot_entries),

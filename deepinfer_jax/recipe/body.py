@@ -133,6 +133,15 @@ def field(obj: dict[str, Any], key: str, kind: str, *, required: bool = False, n
     return expect(value, kind, expected)
 
 
+def typed(obj: Any, expected: str | None = None, *, check: bool = True) -> dict[str, Any]:
+    """An internally tagged object: (with ``check``) a map, which must have a ``type`` field."""
+    if check:
+        expect(obj, "map", expected)
+    if "type" not in obj:
+        raise RequestBodyError("missing field `type`")
+    return obj
+
+
 def variant(value: Any, options: Sequence[str]) -> str:
     """An enum tag: ``value`` must be one of ``options``."""
     if not isinstance(value, str):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer_jax.recipe import convert_common as cc
-from deepinfer_jax.recipe.body import MISSING, expect, field, parse_body, variant
+from deepinfer_jax.recipe.body import MISSING, expect, field, parse_body, typed, variant
 from deepinfer_jax.recipe.conversation import (
     AssistantMessage,
     Conversation,
@@ -64,9 +64,7 @@ def _parse_content(msg: dict[str, Any], *, required: bool, parts_allowed: bool =
         raise RequestBodyError("content should be a string or a list")
     parts = []
     for part in content:
-        expect(part, "map", "internally tagged enum ChatCompletionRequestMessageContentPart")
-        if "type" not in part:
-            raise RequestBodyError("missing field `type`")
+        typed(part, "internally tagged enum ChatCompletionRequestMessageContentPart")
         kind = variant(part["type"], _PART_TYPES)
         if kind == "text":
             parts.append(("text", field(part, "text", "str", required=True)))
@@ -97,8 +95,7 @@ def _parse_message(msg: Any) -> dict[str, Any]:
             for call in calls:
                 expect(call, "map", "struct ChatCompletionMessageToolCall")
                 cid = field(call, "id", "str", required=True)
-                if "type" not in call:
-                    raise RequestBodyError("missing field `type`")
+                typed(call, check=False)
                 variant(call["type"], ("function",))
                 fn = field(call, "function", "map", required=True, expected="struct FunctionCall")
                 name = field(fn, "name", "str", required=True)
@@ -117,9 +114,7 @@ def _parse_message(msg: Any) -> dict[str, Any]:
 
 
 def _parse_tool(tool: Any) -> tuple[str, Any, Any, Any]:
-    expect(tool, "map", "struct ChatCompletionTool")
-    if "type" not in tool:
-        raise RequestBodyError("missing field `type`")
+    typed(tool, "struct ChatCompletionTool")
     variant(tool["type"], ("function",))
     fn = field(tool, "function", "map", required=True, expected="struct FunctionObject")
     name = field(fn, "name", "str", required=True)
@@ -135,8 +130,7 @@ def _parse_tool_choice(value: Any) -> cc.ToolChoiceSpec:
             return cc.ToolChoiceSpec(value)
         raise RequestBodyError("expected one of `none`, `auto`, `required` or a tool")
     if isinstance(value, dict):
-        if "type" not in value:
-            raise RequestBodyError("missing field `type`")
+        typed(value, check=False)
         variant(value["type"], ("function",))
         fn = value.get("function")
         if not isinstance(fn, dict):
@@ -149,9 +143,7 @@ def _parse_tool_choice(value: Any) -> cc.ToolChoiceSpec:
 
 
 def _parse_response_format(value: Any) -> cc.ResponseFormatSpec:
-    expect(value, "map", "internally tagged enum ResponseFormat")
-    if "type" not in value:
-        raise RequestBodyError("missing field `type`")
+    typed(value, "internally tagged enum ResponseFormat")
     kind = variant(value["type"], ("json_object", "json_schema", "regex", "text"))
     if kind == "json_schema":
         js = field(value, "json_schema", "map", required=True, expected="struct ResponseFormatJsonSchema")
@@ -189,8 +181,7 @@ def _parse(body: Any) -> dict[str, Any]:
     thinking = field(body, "thinking", "map", expected="struct Thinking")
     req["thinking"] = MISSING
     if thinking is not MISSING:
-        if "type" not in thinking:
-            raise RequestBodyError("missing field `type`")
+        typed(thinking, check=False)
         req["thinking"] = variant(thinking["type"], ("adaptive", "enabled", "disabled"))
     tools = field(body, "tools", "list")
     req["tools"] = [] if tools is MISSING else [_parse_tool(t) for t in tools]

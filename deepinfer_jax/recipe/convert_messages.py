@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer_jax.recipe import convert_common as cc
-from deepinfer_jax.recipe.body import MISSING, expect, field, parse_body, variant
+from deepinfer_jax.recipe.body import MISSING, expect, field, parse_body, typed, variant
 from deepinfer_jax.recipe.conversation import (
     AssistantMessage,
     Conversation,
@@ -66,9 +66,7 @@ def _unexpected_result(k: int, b: int, tid: str) -> ConversionError:
 
 
 def _parse_source(src: Any, document: bool) -> dict[str, Any]:
-    expect(src, "map", "internally tagged enum Source")
-    if "type" not in src:
-        raise RequestBodyError("missing field `type`")
+    typed(src, "internally tagged enum Source")
     kind = src["type"]
     if document:
         media = src.get("media_type")
@@ -85,9 +83,7 @@ def _parse_source(src: Any, document: bool) -> dict[str, Any]:
 
 
 def _parse_block(block: Any) -> dict[str, Any]:
-    expect(block, "map", "internally tagged enum ContentBlock")
-    if "type" not in block:
-        raise RequestBodyError("missing field `type`")
+    typed(block, "internally tagged enum ContentBlock")
     kind = variant(block["type"], _BLOCKS)
     out: dict[str, Any] = {"type": kind}
     if kind == "text":
@@ -115,8 +111,7 @@ def _parse_block(block: Any) -> dict[str, Any]:
             out["content"] = [_parse_block(c) for c in content]
     elif kind == "tool_addition":
         tool = field(block, "tool", "map", required=True)
-        if "type" not in tool:
-            raise RequestBodyError("missing field `type`")
+        typed(tool, check=False)
         variant(tool["type"], ("tool_reference",))
         out["name"] = field(tool, "name", "str", required=True)
     return out
@@ -161,9 +156,7 @@ def _parse(body: Any) -> dict[str, Any]:
         expect(system, "list", "a string or a list of text blocks")
         texts = []
         for b in system:
-            expect(b, "map")
-            if "type" not in b:
-                raise RequestBodyError("missing field `type`")
+            typed(b)
             variant(b["type"], ("text",))
             texts.append(field(b, "text", "str", required=True))
         req["system"] = texts
@@ -175,8 +168,7 @@ def _parse(body: Any) -> dict[str, Any]:
     thinking = field(body, "thinking", "map", expected="struct Thinking")
     req["thinking"] = None
     if thinking is not MISSING:
-        if "type" not in thinking:
-            raise RequestBodyError("missing field `type`")
+        typed(thinking, check=False)
         req["thinking"] = variant(thinking["type"], ("adaptive", "enabled", "disabled"))
     config = field(body, "output_config", "map")
     req["effort"] = None
@@ -187,9 +179,7 @@ def _parse(body: Any) -> dict[str, Any]:
     choice = body.get("tool_choice")
     req["tool_choice"] = cc.ToolChoiceSpec()
     if choice is not None:
-        expect(choice, "map", "internally tagged enum ToolChoice")
-        if "type" not in choice:
-            raise RequestBodyError("missing field `type`")
+        typed(choice, "internally tagged enum ToolChoice")
         kind = variant(choice["type"], ("auto", "any", "tool", "none"))
         if kind == "tool":
             req["tool_choice"] = cc.ToolChoiceSpec("named", field(choice, "name", "str", required=True))

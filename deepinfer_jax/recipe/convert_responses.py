@@ -23,7 +23,7 @@ from dataclasses import field as dc_field
 from typing import Any
 
 from deepinfer_jax.recipe import convert_common as cc
-from deepinfer_jax.recipe.body import MISSING, expect, field, parse_body, variant
+from deepinfer_jax.recipe.body import MISSING, expect, field, parse_body, typed, variant
 from deepinfer_jax.recipe.builtin_tools import APPLY_PATCH_NAME, apply_patch_description, apply_patch_parameters
 from deepinfer_jax.recipe.conversation import (
     AssistantMessage,
@@ -59,9 +59,7 @@ def _parse_parts(value: Any, what: str) -> Any:
         raise RequestBodyError(what)
     parts = []
     for p in value:
-        expect(p, "map", "internally tagged enum InputContent")
-        if "type" not in p:
-            raise RequestBodyError("missing field `type`")
+        typed(p, "internally tagged enum InputContent")
         kind = variant(p["type"], _PARTS)
         if kind in ("input_text", "output_text"):
             parts.append(("text", field(p, "text", "str", required=True)))
@@ -116,9 +114,7 @@ def _parse_item(item: Any, sep: str) -> dict[str, Any] | None:
 
 
 def _parse_tool(tool: Any) -> dict[str, Any]:
-    expect(tool, "map", "internally tagged enum Tool")
-    if "type" not in tool:
-        raise RequestBodyError("missing field `type`")
+    typed(tool, "internally tagged enum Tool")
     kind = tool["type"]
     if kind == "function":
         desc = field(tool, "description", "str")
@@ -144,9 +140,7 @@ def _parse_tool_choice(value: Any) -> Any:
         if value not in ("none", "auto", "required"):
             raise RequestBodyError("expected one of `none`, `auto`, `required` or a tool choice object")
         return value
-    expect(value, "map", "a tool choice")
-    if "type" not in value:
-        raise RequestBodyError("missing field `type`")
+    typed(value, "a tool choice")
     kind = variant(value["type"], ("function", "web_search", "web_search_2025_08_26", "custom"))
     if kind in ("function", "custom"):
         return ("named", field(value, "name", "str", required=True))
@@ -158,9 +152,7 @@ def _parse_format(text: Any) -> cc.ResponseFormatSpec:
     fmt = text.get("format")
     if fmt is None:
         return cc.ResponseFormatSpec()
-    expect(fmt, "map", "internally tagged enum TextFormat")
-    if "type" not in fmt:
-        raise RequestBodyError("missing field `type`")
+    typed(fmt, "internally tagged enum TextFormat")
     kind = variant(fmt["type"], ("text", "json_schema", "json_object"))
     if kind == "json_schema":
         field(fmt, "name", "str", required=True)
