@@ -6,8 +6,9 @@ positions) -> generation with the converted sampling settings -> the streaming p
 its final response JSON. Stop sequences are enforced by both the engine (generation ends) and
 the parser (the text is cut where the official library cuts it).
 
-Not yet wired: constrained decoding of ``response_format`` / required tool calls (the recipe's
-``output_constraint`` is advisory until the structured-output issue) and logprobs in responses.
+The recipe's ``output_constraint`` (``response_format`` json_object / json_schema / regex, active
+tools, a required tool call) is enforced as the request's ``structured_output`` grammar
+(``chat_grammar``). Not wired: logprobs in responses.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_jax import recipe
+from deepinfer_jax.chat_grammar import structured_output_for
 from deepinfer_jax.engine import SamplingParams
 from deepinfer_jax.recipe.stream import ParseOptions, StreamEvent, StreamOptions, StreamParser, responses_echo
 
@@ -45,10 +47,12 @@ def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], Sampling
     ids = recipe.encode_rendered(recipe.render(req.conversation, req.model_version), tokenizer)
     max_tokens = req.resolve_max_tokens(len(ids), llm.max_model_len)  # ConversionError past the context
     io, po = req.inference_options, req.parsing_options
+    stage = None if po.thinking_initial_stage is None else po.thinking_initial_stage.name.lower()
+    constraint = structured_output_for(io.output_constraint, stage in ("reasoning_start", "reasoning_continuation"),
+                                       llm.tokenizer, v41=req.model_version.is_v41)
     params = SamplingParams(temperature=1.0 if io.temperature is None else float(io.temperature),
                             top_p=1.0 if io.top_p is None else float(io.top_p), max_tokens=max_tokens,
-                            stop=list(po.stop_sequences) or None, seed=io.seed)
-    stage = None if po.thinking_initial_stage is None else po.thinking_initial_stage.name.lower()
+                            stop=list(po.stop_sequences) or None, seed=io.seed, structured_output=constraint)
     parse = ParseOptions(parse_tool_calls=po.parse_tool_calls, starts_in_tool_calls=po.starts_in_tool_calls,
                          parse_json_output=po.parse_json_output, thinking_stage=stage,
                          stop_sequences=tuple(po.stop_sequences))
@@ -72,12 +76,13 @@ def chat_stream(llm: LLM, request: Any, protocol: str = "chat") -> Iterator[Stre
     rid = engine.add_request(ids, params)
     req = engine.requests[rid]
     yield from parser.ready(prompt_tokens=len(ids), cache_hit_tokens=0)
-    seen = 0
+    seen, eos = 0, engine.eos_token_id
     try:
         while not req.finished:
             engine.step()
             new = req.output_ids[seen:]
             seen += len(new)
+            new = [t for t in new if t != eos]  # the end of sequence ends generation; it is not text
             if new and not parser.finished:
                 yield from parser.push_ids(new)
             if parser.finished and not req.finished:  # the parser saw a stop sequence
@@ -96,7 +101,10 @@ def chat(llm: LLM, request: Any, protocol: str = "chat") -> dict:
     out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
     parser = StreamParser(options, llm.parser_tokenizer, accumulate=True)
     parser.ready(prompt_tokens=len(ids), cache_hit_tokens=0)
+    eos = llm.engine.eos_token_id
     for token in out.token_ids:
+        if token == eos:  # generation ended there; the end of sequence is not text
+            break
         if parser.finished:
             break
         parser.push_ids([token])

@@ -32,6 +32,7 @@ from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_ke
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.profiling import profile_cost_model
+from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
 from deepinfer_jax.runner import Buckets, ModelRunner
 from deepinfer_jax.tokenizer import load_tokenizer
 
@@ -123,8 +124,11 @@ class LLM:
                               encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
                               host_store=host_store, file_store=file_store,
                               decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None)
+        structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
+                                       overlap=ec.structured_output_overlap)
         self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
-                                 seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
+                                 seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
+                                 structured=structured)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""

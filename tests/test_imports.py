@@ -11,10 +11,11 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "deepinfer_jax"
 HOST_PACKAGES = ("deepinfer_jax.checkpoint", "deepinfer_jax.engram_vocab", "deepinfer_jax.tokenizer", "tokenizers",
                  "deepinfer_jax.engine", "deepinfer_jax.cache", "deepinfer_jax.recipe", "torch", "nemo_automodel")
-HOST_MODULES = ["engram_vocab.py", "tokenizer.py",
+HOST_MODULES = ["engram_vocab.py", "tokenizer.py", "chat_grammar.py", "parallel/eplb.py", "parallel/eplb_policy.py",
                 *[str(p.relative_to(PKG)) for d in ("checkpoint", "cache", "config", "engine", "recipe")
                   for p in sorted((PKG / d).rglob("*.py"))]]
-DEVICE_MODULES = [f"model/{p.name}" for p in (PKG / "model").glob("*.py")]
+DEVICE_MODULES = [f"model/{p.name}" for p in (PKG / "model").glob("*.py")] + [
+    "parallel/ep_moe.py", "parallel/weight_moves.py", "parallel/mesh.py"]
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.engine import CostModel, EngineCore, RequestError, SamplingParams, Scheduler
+from deepinfer_jax.runner import Buckets
 from deepinfer_jax.tokenizer import load_tokenizer
 
 VOCAB = 1000
@@ -44,11 +45,22 @@ class FakeRunner:
         self.last: dict[int, int] = {}
         self.steps: list[list] = []
 
+    buckets = Buckets(requests=(1, 2, 4, 8, 16, 32, 64))
+
     def launch(self, chunks):
+        return self.sample(self.forward(chunks))
+
+    def forward(self, chunks):
+        return SimpleNamespace(chunks=chunks, rows=Buckets.pick(self.buckets.requests, len(chunks), "requests"))
+
+    def sample(self, fwd, mask=None):
+        """The known model's token, or under a mask the first allowed id at or after it (cyclic)."""
+        chunks = fwd.chunks
         self.steps.append(chunks)
         assert len({c.slot for c in chunks}) == len(chunks)
+        assert mask is None or mask.shape[0] == fwd.rows
         results = []
-        for c in chunks:
+        for i, c in enumerate(chunks):
             toks = list(c.token_ids)
             if c.feed_last:
                 assert len(toks) == 1
@@ -62,6 +74,10 @@ class FakeRunner:
                 results.append(None)
                 continue
             tok = self.next_fn(seq)
+            if mask is not None:
+                allowed = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+                assert allowed.any(), "a row with no allowed token reached the device"
+                tok = int(np.roll(np.arange(VOCAB), -tok)[np.roll(allowed, -tok)][0])
             self.last[c.slot] = tok
             results.append((tok, -1.0, np.array([tok]), np.array([-1.0])))
         return _Pending(results)

@@ -65,6 +65,8 @@ class EngineConfig:
             cache or a token-proportional guess). cost_model_dir: where fitted models are cached
             (None = ``~/.cache/deepinfer_jax/cost_model``).
         async_scheduling: overlap scheduling of step N+1 with the device running step N.
+        structured_output_overlap: compute structured-output token masks while the device runs the
+            step (False = before dispatching it, the baseline; ``engine.structured``).
         seed: the engine seed for requests without their own.
         max_logprobs: most top logprobs a request may ask for.
         token_buckets / request_buckets: step shapes compiled at start-up (None = derived).
@@ -96,6 +98,7 @@ class EngineConfig:
     profile_steps: bool = True
     cost_model_dir: str | None = None
     async_scheduling: bool = True
+    structured_output_overlap: bool = True
     seed: int = 0
     max_logprobs: int = 5
     token_buckets: tuple[int, ...] | None = None
@@ -132,7 +135,7 @@ class EngineConfig:
             raise ValueError(f"block_store must be a directory path or None, got {self.block_store!r}")
         if self.block_store is not None and not self.host_store_bytes:
             raise ValueError("block_store needs host_store_bytes > 0 (blocks pass through host memory)")
-        for name in ("async_scheduling", "profile_steps", "enable_prefix_caching", "encoder_replay",
+        for name in ("async_scheduling", "structured_output_overlap", "profile_steps", "enable_prefix_caching", "encoder_replay",
                      "block_store_fallback", "decoder_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

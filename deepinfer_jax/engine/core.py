@@ -9,8 +9,17 @@ One ``step()``:
   N+1 by slot; the host's view lags one step, and a request that finished in N (EOS, a stop string)
   simply has its extra token from N+1 dropped. Outputs are identical either way.
 
-Requests are validated when added (``RequestError`` naming the field); nothing invalid reaches the
-scheduler, so a bad request never disturbs the running ones.
+Each step is dispatched as two device programs, the model step and then its sampling
+(``ModelRunner.forward`` / ``sample``). Structured-output requests (``engine.structured``) need a
+token mask per step that depends on every token before it; the host computes those masks on a
+worker thread while the device already runs the model step (in asynchronous mode right after it
+has read step N's tokens), and only the small sampling program waits for them. With
+``overlap=False`` the masks are computed before the model step is dispatched (the baseline the
+structured-output benchmark compares against). A request whose grammar allows no next token ends
+with finish reason ``"error"`` and the backend's message as ``stop_reason``.
+
+Requests are validated when added (``RequestError`` naming the field, including grammars that do
+not compile); nothing invalid reaches the scheduler, so a bad request never disturbs the running ones.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
 from deepinfer_jax.engine.request import Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
-from deepinfer_jax.runner import ChunkSpec, ModelRunner, PendingStep, SampleSpec
+from deepinfer_jax.engine.structured import StructuredOutputs
+from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, PendingStep, SampleSpec
 
 __all__ = ["EngineCore", "EngineStats"]
 
@@ -56,7 +66,7 @@ class EngineStats:
 @dataclass
 class _InFlight:
     plan: SchedulerOutput
-    pending: PendingStep
+    pending: PendingStep | None  # set once the sampling is dispatched
     launched: float
     snapshots: list = field(default_factory=list)  # (request, position, device arrays) to save
     writeback: tuple | None = None  # (digests, device rows) of newly cached blocks for the lower tiers
@@ -66,8 +76,10 @@ class EngineCore:
     """Owns the scheduler, the runner and the requests of one engine instance."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, tokenizer: Tokenizer | None, eos_token_id: int,
-                 seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5) -> None:
+                 seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
+                 structured: StructuredOutputs | None = None) -> None:
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.structured = structured
         self.eos_token_id, self.seed, self.async_scheduling = eos_token_id, seed, async_scheduling
         self.max_logprobs = max_logprobs
         self.vocab_size = runner.cfg.vocab_size
@@ -110,6 +122,10 @@ class EngineCore:
                                            f"got {params.logprobs}")
         if params.stop_token_ids and any(i >= self.vocab_size for i in params.stop_token_ids):
             raise RequestError("stop_token_ids", f"ids must lie in [0, {self.vocab_size})")
+        if params.constraint is not None:
+            if self.structured is None:
+                raise RequestError("structured_output", "this engine has no structured-output backend")
+            self.structured.matcher(params.constraint)  # compiled (and cached) now: errors before anything runs
         return ids
 
     def add_request(self, prompt_ids, params: SamplingParams, prompt: str | None = None,
@@ -119,6 +135,8 @@ class EngineCore:
         rid = str(number) if request_id is None else request_id
         detok = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
         req = Request(rid, number, prompt, ids, params, detok, arrival)
+        if params.constraint is not None:
+            req.matcher = self.structured.matcher(params.constraint)
         self.requests[rid] = req
         self.scheduler.add(req)
         prefix = self.scheduler.prefix
@@ -148,7 +166,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished in it."""
         t0 = time.perf_counter()
+        host0 = self.stats.reconcile_s + self.stats.wait_s
         plan = self.scheduler.schedule()
+        prev = self._inflight if self.async_scheduling else None
+        self._inflight = None
+        finished: list[RequestOutput] = []
         launched = None
         if plan.chunks:
             for c in plan.chunks:  # prefix-cache hits: their saved windows go into their slots first
@@ -160,24 +182,52 @@ class EngineCore:
                     pos, snap = c.request.restore
                     self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos))
                     c.request.restore = None
-            launched = _InFlight(plan, self.runner.launch([self._spec(c) for c in plan.chunks]), time.perf_counter())
+            specs = [self._spec(c) for c in plan.chunks]
+            rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
+                    if c.sample and c.request.matcher is not None]
+            masks = None
+            if rows and not self.structured.overlap:  # the baseline: masks first, the device waits
+                if prev is not None:  # the masks need the previous step's tokens
+                    finished += self._reconcile(prev)
+                    prev = None
+                masks = self.structured.masks(Buckets.pick(self.runner.buckets.requests, len(specs), "requests"), rows)
+            fwd = self.runner.forward(specs)
+            launched = _InFlight(plan, None, time.perf_counter())
             prefix = self.scheduler.prefix
-            if prefix is not None:
+            if prefix is not None:  # window copies and block reads right behind the model step
                 self._take_snapshots(launched)
                 if prefix.new_blocks:
                     new, prefix.new_blocks = prefix.new_blocks, []
                     launched.writeback = ([d for _, d in new], self.runner.read_blocks([b for b, _ in new]))
+            if rows and masks is None:
+                job = []
+                submit = lambda: job.append(self.structured.submit(fwd.rows, rows))
+                if prev is not None:
+                    finished += self._reconcile(prev, on_tokens=submit)
+                    prev = None
+                else:
+                    submit()
+                masks = job[0].result()
+            mask = None
+            if rows:
+                mask, dead = masks
+                for i, reason in dead.items():
+                    r = plan.chunks[i].request
+                    if not r.finished:
+                        r.finished_time = time.perf_counter()
+                        self._finish(r, "error", reason)
+                        finished.append(r.to_output())
+            launched.pending = self.runner.sample(fwd, mask)
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
         self.stats.preemptions += len(plan.preempted)
-        self.stats.schedule_s += time.perf_counter() - t0
-        finished = []
+        self.stats.schedule_s += time.perf_counter() - t0 - (self.stats.reconcile_s + self.stats.wait_s - host0)
+        if prev is not None:
+            finished += self._reconcile(prev)
         if self.async_scheduling:
-            if self._inflight is not None:
-                finished = self._reconcile(self._inflight)
             self._inflight = launched
         elif launched is not None:
-            finished = self._reconcile(launched)
+            finished += self._reconcile(launched)
         return finished
 
     def drain(self) -> list[RequestOutput]:
@@ -192,6 +242,8 @@ class EngineCore:
         bs = self.scheduler.block_size
         for c in step.plan.chunks:
             r, end = c.request, c.start + c.num_tokens
+            if r.finished:  # ended by the previous step's tokens (asynchronous mode): nothing to keep
+                continue
             if end in r.snapshot_points:
                 step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot)))
                 r.snapshot_points.remove(end)
@@ -217,10 +269,18 @@ class EngineCore:
                          feed_last=c.feed_last, window_floor=r.window_floor, global_write_from=r.write_from,
                          decoder_from=r.decoder_from, decoder_floor=r.decoder_from)
 
-    def _reconcile(self, step: _InFlight) -> list[RequestOutput]:
+    def _reconcile(self, step: _InFlight, on_tokens=None) -> list[RequestOutput]:
+        """Take a step's tokens into its requests. ``on_tokens`` is called once the grammar matchers
+        have taken the new tokens, before the rest of the host work (it starts the next masks)."""
         t0 = time.perf_counter()
         results = step.pending.result()
         ready = time.perf_counter()
+        for chunk, res in zip(step.plan.chunks, results):
+            r = chunk.request
+            if res is not None and not r.finished and r.matcher is not None and not r.matcher.consume(res[0]):
+                r.grammar_error = r.matcher.error() or f"token {res[0]} is not allowed by the grammar"
+        if on_tokens is not None:
+            on_tokens()
         self.stats.wait_s += ready - t0
         device_ns = (ready - max(step.launched, self._last_ready)) * 1e9
         self._last_ready = ready
@@ -264,7 +324,9 @@ class EngineCore:
             r.logprobs.append(TokenLogprobs(token, logprob, {int(i): float(v) for i, v in zip(top_ids[:k], top_lps[:k])}))
         stop_str = r.detok.push(token)
         reason = stop_reason = None
-        if p.stop_token_ids and token in p.stop_token_ids:
+        if r.grammar_error is not None:
+            reason, stop_reason = "error", r.grammar_error
+        elif p.stop_token_ids and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif token == self.eos_token_id and not p.ignore_eos:
             reason = "stop"

@@ -57,6 +57,8 @@ class Request:
         self.approximate = False  # hit through bounded replay: nothing it computes is cached
         self.window_floor = 0  # bounded replay: windows see no position below this
         self.write_from = 0  # bounded replay: block KV below this is reused, never rewritten
+        self.matcher = None  # structured output: the grammar's state (``engine.structured.Matcher``)
+        self.grammar_error: str | None = None  # set when a generated token broke the grammar
         self.decoder_from = 0  # decoder bounded replay: earlier positions run the encoder only
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -37,6 +38,39 @@ def _float(name: str, value: Any, low: float, high: float, low_open: bool = Fals
     return float(value)
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+def _constraint(spec: Any) -> tuple[str, str] | None:
+    """``structured_output`` as ``(kind, text)``: a JSON Schema as compact JSON text (``{}`` for
+    ``json_object``), a regex or a grammar as given. Only the shape is checked here."""
+    name = "structured_output"
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise RequestError(name, f"must be a dict with exactly one of {', '.join(STRUCTURED_KINDS)}, got {spec!r}")
+    (kind, value), = spec.items()
+    if kind not in STRUCTURED_KINDS:
+        raise RequestError(name, f"unknown kind {kind!r}; expected one of {', '.join(STRUCTURED_KINDS)}")
+    where = f"{name}.{kind}"
+    if kind == "json_object":
+        if value is not True:
+            raise RequestError(where, f"must be True, got {value!r}")
+        return kind, "{}"
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise RequestError(where, f"is not valid JSON: {e}") from None
+        if not isinstance(value, (dict, bool)):
+            raise RequestError(where, f"must be a JSON Schema object, got {type(value).__name__}")
+        return kind, json.dumps(value, separators=(",", ":"))  # key order kept: it orders the output
+    if not isinstance(value, str) or not value:
+        raise RequestError(where, f"must be a non-empty string, got {value!r}")
+    return kind, value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping settings (vLLM's names and meanings).
@@ -54,6 +88,11 @@ class SamplingParams:
         ``(seed, 0, output position)``, the same whatever else runs; None = the engine's seed with
         the request's own stream id.
     logprobs: return this many top logprobs per generated token (plus the chosen token's); None = off.
+    structured_output: constrain the output's format, one of ``{"json_schema": <schema dict or JSON
+        text>}``, ``{"json_object": True}`` (any JSON object), ``{"regex": <pattern>}`` or
+        ``{"grammar": <Lark grammar, or GBNF when it uses ::=>}``; None = free text. The shape is
+        checked here; the grammar itself is compiled (and its errors reported) when the request is
+        added to an engine (``engine.structured``).
     """
 
     temperature: float = 1.0
@@ -66,7 +105,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    structured_output: dict | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    constraint: tuple[str, str] | None = field(init=False, repr=False)  # (kind, text), see _constraint
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -100,6 +141,7 @@ class SamplingParams:
             raise RequestError("seed", f"must be < 2**32, got {seed}")
         set_(self, "seed", seed)
         set_(self, "logprobs", _int("logprobs", self.logprobs, 0, optional=True))
+        set_(self, "constraint", _constraint(self.structured_output))
 
     @property
     def greedy(self) -> bool:

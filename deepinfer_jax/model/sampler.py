@@ -16,8 +16,13 @@ kept. Top-k and top-p are found as probability thresholds by bisection (no vocab
 token tied with the boundary value is kept with it. ``temperature == 0`` is greedy: the argmax
 (lowest id on ties).
 
-Logprobs are those of the model's raw distribution ``log_softmax(logits)`` (before temperature
-and filters), for the chosen token and for the ``num_top`` most likely tokens.
+Logprobs are those of the model's raw distribution ``log_softmax(logits)`` (before temperature,
+filters and token masks), for the chosen token and for the ``num_top`` most likely tokens.
+
+Structured output (engine.md §2.4) arrives as a packed token bitmask per row, ``[R, ceil(V / 32)]``
+int32 with bit ``v % 32`` of word ``v // 32`` set when token ``v`` is allowed (llguidance's
+layout); disallowed logits become -inf before any filter, so greedy and sampled rows alike only
+ever pick allowed tokens. The host guarantees every masked row allows at least one token.
 """
 
 from __future__ import annotations
@@ -114,11 +119,28 @@ def sample_tokens(logits_RV, keys_R, temperature, top_k, top_p, min_p) -> jax.Ar
                         lambda: jnp.argmax(logits_RV, axis=-1).astype(jnp.int32))
 
 
-def sample(logits_RV: jax.Array, s: SamplingInputs, num_top: int) -> Sampled:
-    """Sample one token per row of ``logits_RV`` [R, V] (f32); ``num_top`` (static) top logprobs."""
+def unpack_bitmask(mask_RW: jax.Array, vocab: int) -> jax.Array:
+    """Allowed tokens [R, vocab] (bool) from a packed bitmask [R, ceil(vocab / 32)] (i32)."""
+    bits = (mask_RW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(mask_RW.shape[0], -1)[:, :vocab].astype(bool)
+
+
+def apply_bitmask(logits_RV: jax.Array, mask_RW: jax.Array, has_mask: jax.Array) -> jax.Array:
+    """``logits_RV`` with disallowed tokens at -inf; ``has_mask`` (a scalar bool) False skips the work
+    (the mask is then all ones)."""
+    vocab = logits_RV.shape[1]
+    return jax.lax.cond(has_mask, lambda: jnp.where(unpack_bitmask(mask_RW, vocab), logits_RV, -jnp.inf),
+                        lambda: logits_RV)
+
+
+def sample(logits_RV: jax.Array, s: SamplingInputs, num_top: int, mask_RW: jax.Array | None = None,
+           has_mask: jax.Array | None = None) -> Sampled:
+    """Sample one token per row of ``logits_RV`` [R, V] (f32); ``num_top`` (static) top logprobs;
+    ``mask_RW`` (optional, with the scalar ``has_mask``): the rows' packed allowed-token bitmasks."""
     logits_RV = logits_RV.astype(jnp.float32)
     keys = jax.vmap(row_key)(s.seed, s.stream, s.position)
-    ids = sample_tokens(logits_RV, keys, s.temperature, s.top_k, s.top_p, s.min_p)
+    allowed = logits_RV if mask_RW is None else apply_bitmask(logits_RV, mask_RW, has_mask)
+    ids = sample_tokens(allowed, keys, s.temperature, s.top_k, s.top_p, s.min_p)
     logp = jax.vmap(jax.nn.log_softmax)(logits_RV)
     chosen = jnp.take_along_axis(logp, ids[:, None], axis=1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, num_top)

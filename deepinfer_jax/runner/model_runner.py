@@ -1,8 +1,10 @@
 """ModelRunner: turns scheduled request chunks into padded device inputs and runs the jitted step.
 
-Two jitted entry points share the model step: ``execute`` returns logits (for tests and research),
-``launch`` samples inside the step (``model.sampler``) and returns a ``PendingStep`` without
-waiting for the device, which is what the engine's asynchronous loop needs (engine.md §2.2): the
+Two entry points share the model step: ``execute`` returns logits (for tests and research),
+``launch`` (= ``forward`` then ``sample``, two jitted programs) samples after the step
+(``model.sampler``) and returns a ``PendingStep`` without waiting for the device; between
+``forward`` and ``sample`` the host may compute structured-output token masks while the device
+already runs the step, which is what the engine's asynchronous loop needs (engine.md §2.2): the
 sampled ids also stay on the device, in a per-slot buffer, and a later step can take its first
 token from there (``ChunkSpec.feed_last``) before the host has seen it.
 
@@ -91,16 +93,23 @@ def _step(params, cfg, cache_cfg, cache, inputs):
     return paged_step(params, cfg, cache_cfg, cache, inputs)
 
 
-def _sample_step(params, cfg, cache_cfg, num_top, cache, last_ids, feed, inputs, sampling, sample_slot):
-    """The engine's step: tokens marked ``feed`` come from ``last_ids`` [slots] (by slot); samples one
-    token per request row and stores it in ``last_ids`` at ``sample_slot`` (out of range = none)."""
+def _forward_step(params, cfg, cache_cfg, cache, last_ids, feed, inputs):
+    """The engine's model step: tokens marked ``feed`` come from ``last_ids`` [slots] (by slot);
+    returns the logits of ``inputs.logit_rows`` (one row per request) and the new cache."""
     _TRACES[0] += 1
     slots = cache_cfg.max_requests
     token_slot = jnp.clip(inputs.req_slot[inputs.token_req], 0, slots - 1)
     inputs = inputs._replace(token_ids=jnp.where(feed, last_ids[token_slot], inputs.token_ids))
-    logits, cache = paged_step(params, cfg, cache_cfg, cache, inputs)
-    out = sample(logits, sampling, num_top)
-    return out, cache, last_ids.at[sample_slot].set(out.token_ids, mode="drop")
+    return paged_step(params, cfg, cache_cfg, cache, inputs)
+
+
+def _sample_rows(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot):
+    """Sample one token per row of ``logits`` [R, V] under the packed token ``mask`` [R, W] and store
+    it in ``last_ids`` at ``sample_slot`` (out of range = none). A separate program from the model
+    step so a structured-output mask can arrive while the step already runs on the device."""
+    _TRACES[0] += 1
+    out = sample(logits, sampling, num_top, mask, has_mask)
+    return out, last_ids.at[sample_slot].set(out.token_ids, mode="drop")
 
 
 def _snapshot(cache, slot):
@@ -128,6 +137,18 @@ def _write_blocks(cache, block_ids, rows):
 
 def _set_engram(cache, slot, engram_ids):
     return {**cache, "engram": cache["engram"].at[slot].set(engram_ids)} if "engram" in cache else cache
+
+
+@dataclass
+class Forward:
+    """A dispatched model step whose sampling is still to dispatch (``ModelRunner.sample``); row i of
+    the step's logits belongs to chunk i, rows past the chunks are padding."""
+
+    logits: jax.Array  # [rows, vocab] f32, on the device
+    sampling: SamplingInputs
+    sample_slot: np.ndarray
+    chunks: list
+    rows: int  # the request bucket
 
 
 class PendingStep:
@@ -165,7 +186,10 @@ class ModelRunner:
         self.cache = init_cache(cfg, cache_cfg)
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._fn = jax.jit(_step, static_argnums=(1, 2), donate_argnums=(3,))
-        self._sample_fn = jax.jit(_sample_step, static_argnums=(1, 2, 3), donate_argnums=(4, 5))
+        self._forward_fn = jax.jit(_forward_step, static_argnums=(1, 2), donate_argnums=(3,))
+        self._sample_fn = jax.jit(_sample_rows, static_argnums=(0,))
+        self.mask_words = (cfg.vocab_size + 31) // 32
+        self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device
         self._snapshot_fn = jax.jit(_snapshot)
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
         self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))
@@ -258,6 +282,28 @@ class ModelRunner:
         n, r, b = self._validate(chunks)
         return self._launch(chunks, n, r, b)
 
+    def forward(self, chunks: Sequence[ChunkSpec]) -> Forward:
+        """Validate and dispatch the model step alone; ``sample`` then dispatches its sampling. Between
+        the two the device runs the step while the host computes token masks (structured output)."""
+        n, r, b = self._validate(chunks)
+        return self._forward(chunks, n, r, b)
+
+    def sample(self, fwd: Forward, mask: np.ndarray | None = None) -> PendingStep:
+        """Dispatch the sampling of a ``forward`` step: ``mask`` [rows, mask_words] (i32, packed, rows =
+        the step's request bucket, see ``Forward.rows``) limits each row's tokens; None = no limit."""
+        if mask is None:
+            if fwd.rows not in self._no_mask:
+                self._no_mask[fwd.rows] = jnp.full((fwd.rows, self.mask_words), -1, jnp.int32)
+            mask, has = self._no_mask[fwd.rows], np.False_
+        else:
+            if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
+                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
+                                     f"{mask.dtype} {mask.shape}")
+            has = np.True_
+        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, mask, has, fwd.sampling,
+                                             self.last_ids, fwd.sample_slot)
+        return PendingStep(out, fwd.chunks)
+
     def execute(self, chunks: Sequence[ChunkSpec]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32)."""
         n, r, b = self._validate(chunks)
@@ -274,6 +320,9 @@ class ModelRunner:
 
     # -- internals ---------------------------------------------------------------------------
     def _launch(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int, d: int | None = None) -> PendingStep:
+        return self.sample(self._forward(chunks, n, r, b, d))
+
+    def _forward(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int, d: int | None = None) -> Forward:
         inputs = self._inputs(chunks, n, r, b)
         # one logit row per request row: its chunk's last token
         rows = np.array([inputs.req_start[i] + len(c.token_ids) - 1 for i, c in enumerate(chunks)] + [0] * (r - len(chunks)),
@@ -295,10 +344,9 @@ class ModelRunner:
             seed=np.array([s.seed for s in specs], np.uint32),
             stream=np.array([s.stream for s in specs], np.uint32),
             position=np.array([s.position for s in specs], np.int32))
-        out, self.cache, self.last_ids = self._sample_fn(
-            self.params, self.cfg, self.cache_cfg, self.num_top_logprobs, self.cache, self.last_ids, feed,
-            inputs._replace(logit_rows=rows), sampling, sample_slot)
-        return PendingStep(out, list(chunks))
+        logits, self.cache = self._forward_fn(self.params, self.cfg, self.cache_cfg, self.cache, self.last_ids, feed,
+                                              inputs._replace(logit_rows=rows))
+        return Forward(logits, sampling, sample_slot, list(chunks), r)
 
     def _decoder_rows(self, chunks, inputs: StepInputs, rows: np.ndarray, d: int | None):
         """The tokens that run the decoder (each chunk's tail from ``decoder_from``), padded to a bucket,
