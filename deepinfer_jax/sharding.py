@@ -1,0 +1,615 @@
+"""Device meshes from deployment presets, the logical-axis rules table, the sharded forward, multi-host start.
+
+A **preset** (``deepinfer_jax/config/sharding/<name>.toml``) names the mesh axes and their sizes,
+the attention data-parallel and expert-parallel degrees, optional overrides of the rules table,
+and the EPLB settings (engine.md §3-§4). ``resolve_preset(name_or_path)`` loads one,
+``make_mesh(preset)`` builds the ``jax.sharding.Mesh`` (Auto axes, so GSPMD propagates).
+
+**One rules table**, ``RULES``, maps logical axis names to mesh axes: ``batch`` -> ``dp`` (attention
+DP), ``experts`` -> ``ep`` (routed experts), ``vocab``/``heads``/``mlp``/``expert_mlp`` -> ``tp``,
+the cache's ``cache_slots``/``cache_blocks`` -> wherever ``batch`` goes (each DP rank's requests and
+blocks live on its devices), everything else replicated. A mesh axis the mesh lacks (``tp`` in a
+2-D preset) resolves to "replicated". ``PARAM_AXES`` gives every parameter of
+``deepinfer_jax.model`` its logical axes (the ``nnx.State`` path with the layer index written
+``*``; the DSpark drafter's ``mtp.S`` stages too), ``CACHE_AXES`` every array of ``model.kv_cache.init_cache``; an unknown path is an error,
+never a silent replication.
+
+Production presets put every device on both parallel axes (DeepInfer's "EP8 DP8" is 8 devices,
+each one an attention DP rank and an EP rank): mesh ``dp=1, ep=N`` with ``batch = ["dp", "ep"]``.
+The CPU test presets (``cpu-dp2-ep4`` ...) keep ``batch`` on ``dp`` only, so a DP rank spans the
+``ep`` devices of its row.
+
+Multi-host: ``init_distributed()`` starts ``jax.distributed`` from arguments or the environment
+variables ``DEEPINFER_COORDINATOR`` (``host:port``), ``DEEPINFER_NUM_PROCESSES`` and
+``DEEPINFER_PROCESS_ID`` (a no-op when none is set); ``make_mesh`` then spans every process's devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from deepinfer_jax.parallel.ep_moe import DISPATCHES  # MoE token dispatches (ragged_all_to_all: GPU/TPU only)
+from deepinfer_jax.parallel.mesh import auto_mesh
+
+__all__ = [
+    "CACHE_AXES", "DISPATCHES", "MESH_AXES", "PARAM_AXES", "PRESET_DIR", "RULES", "EplbSettings", "ShardingError",
+    "ShardingPreset", "available_presets", "cache_shardings", "gather_to_host", "init_distributed", "logical_spec",
+    "make_mesh", "param_shardings", "resolve_preset", "shard_cache", "shard_params", "sharded_forward_full",
+]
+
+#: Where the shipped presets live (package data).
+PRESET_DIR = Path(__file__).resolve().parent / "config" / "sharding"
+#: The mesh axis names a preset may use: attention data parallel, expert parallel, tensor parallel.
+MESH_AXES = ("dp", "ep", "tp")
+
+#: The rules table: logical axis -> mesh axes (an empty tuple = replicated). Presets may override entries.
+RULES: Mapping[str, tuple[str, ...]] = {
+    "batch": ("dp",),  # sequences / request rows: attention data parallel
+    "experts": ("ep",),  # routed experts (and their EPLB slots)
+    "vocab": ("tp",),
+    "heads": ("tp",),  # attention heads (q heads x head_dim, sinks, the O-LoRA input)
+    "mlp": ("tp",),  # shared-expert intermediate
+    "expert_mlp": ("tp",),  # routed-expert intermediate
+    "embed": (),
+    "seq": (),
+    "layers": (),
+    "q_lora": (),
+    "o_lora": (),
+    "head_dim": (),
+    "index_heads": (),
+    "index_dim": (),
+    "router": (),  # the router's expert axis: every token scores every expert
+    "hc": (),  # mHC mixing coefficients
+    "engram": (),  # Engram tables, hash heads and the token map
+    "cache_slots": ("dp",),  # per-request cache slots (SWA rings, compressor state, Engram look-back)
+    "cache_blocks": ("dp",),  # the paged block pool
+}
+_FOLLOW_BATCH = ("cache_slots", "cache_blocks")  # follow ``batch`` unless a preset overrides them
+
+#: Logical axes of every parameter, by ``nnx.State`` path with the layer index written ``*``.
+PARAM_AXES: Mapping[str, tuple[str | None, ...]] = {
+    "embed.weight": ("vocab", "embed"),
+    "head.weight": ("vocab", "embed"),
+    "norm.weight": ("embed",),
+    "engram_token_map": ("engram",),
+    "layers.*.attn_norm.weight": ("embed",),
+    "layers.*.ffn_norm.weight": ("embed",),
+    **{f"layers.*.hc_{site}_{leaf}": axes for site in ("attn", "ffn")
+       for leaf, axes in (("fn", ("hc", "embed")), ("base", ("hc",)), ("scale", ("hc",)))},
+    "layers.*.attn.wq_a.weight": ("q_lora", "embed"),
+    "layers.*.attn.q_norm.weight": ("q_lora",),
+    "layers.*.attn.wq_b.weight": ("heads", "q_lora"),
+    "layers.*.attn.wkv.weight": ("head_dim", "embed"),
+    "layers.*.attn.kv_norm.weight": ("head_dim",),
+    "layers.*.attn.wo_a.weight": ("o_lora", "heads"),
+    "layers.*.attn.wo_b.weight": ("embed", "o_lora"),
+    "layers.*.attn.attn_sink": ("heads",),
+    "layers.*.attn.compressor.wkv.weight": ("head_dim", "embed"),
+    "layers.*.attn.compressor.wgate.weight": ("head_dim", "embed"),
+    "layers.*.attn.compressor.norm.weight": ("head_dim",),
+    "layers.*.attn.indexer.wq_b.weight": ("index_heads", "q_lora"),
+    "layers.*.attn.indexer.wk.weight": ("index_dim", "head_dim"),
+    "layers.*.attn.indexer.k_norm.weight": ("index_dim",),
+    "layers.*.attn.indexer.weights_proj.weight": ("index_heads", "embed"),
+    "layers.*.ffn.gate.weight": ("router", "embed"),
+    "layers.*.ffn.gate.bias": ("router",),
+    "layers.*.ffn.gate.bias_vl": ("router",),
+    "layers.*.ffn.experts.w1": ("experts", "expert_mlp", "embed"),
+    "layers.*.ffn.experts.w3": ("experts", "expert_mlp", "embed"),
+    "layers.*.ffn.experts.w2": ("experts", "embed", "expert_mlp"),
+    "layers.*.ffn.shared_experts.w1.weight": ("mlp", "embed"),
+    "layers.*.ffn.shared_experts.w3.weight": ("mlp", "embed"),
+    "layers.*.ffn.shared_experts.w2.weight": ("embed", "mlp"),
+    "layers.*.engram.embed.weight": ("engram", None),
+    "layers.*.engram.k_weight": ("engram", "embed"),
+    "layers.*.engram.q_weight": ("engram", "embed"),
+    "layers.*.engram.wkv.weight": ("engram", "embed"),
+    # the DSpark drafter (model/dspark.py, tree ``mtp.S.*``): its stages reuse the block names above
+    "mtp.*.main_proj.weight": ("embed", None),
+    "mtp.*.main_norm.weight": ("embed",),
+    "mtp.*.norm.weight": ("embed",),
+    "mtp.*.markov_head.embed.weight": ("vocab", None),
+    "mtp.*.markov_head.head.weight": ("vocab", None),
+    "mtp.*.confidence_head.proj.weight": (None, None),
+}
+
+#: Logical axes of the cache arrays (``model.kv_cache.init_cache``), by top-level key; the leading axes
+#: of every leaf below it (quantized storage's ``q``/``s`` codes and scales share them).
+CACHE_AXES: Mapping[str, tuple[str | None, ...]] = {
+    "global": ("cache_blocks",),  # global[L].kv / .index: [num_blocks, block_size // ratio, D]
+    "comp": ("cache_slots",),  # comp[L].v / .g: [slots, ratio, D]
+    "swa": ("layers", "cache_slots"),  # [layers, slots, ring, D]
+    "engram": ("cache_slots",),  # [slots, max_ngram - 1]
+}
+
+
+class ShardingError(ValueError):
+    """A bad preset, mesh or layout; ``field`` names the offending setting (e.g. ``mesh.shape``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# ---- presets -------------------------------------------------------------------------------------
+
+
+def _int(field: str, value: Any, low: int) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ShardingError(field, f"must be an integer, got {value!r}")
+    if value < low:
+        raise ShardingError(field, f"must be >= {low}, got {value!r}")
+    return int(value)
+
+
+def _str(field: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ShardingError(field, f"must be a string, got {value!r}")
+    return value
+
+
+def _table(field: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ShardingError(field, f"must be a table, got {value!r}")
+    return value
+
+
+def _no_extra(field: str, raw: Mapping[str, Any], known: Sequence[str]) -> None:
+    extra = sorted(set(raw) - set(known))
+    if extra:
+        where = f"{field}." if field else ""
+        raise ShardingError(f"{where}{extra[0]}", f"unknown setting (known: {', '.join(known)})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EplbSettings:
+    """Expert-parallel load balancing knobs (engine.md §3).
+
+    redundant_slots_per_rank: extra physical expert slots per EP rank for replicas of hot experts.
+    window_steps: steps of per-layer expert load kept for the statistics.
+    rebalance_period: steps between two placements.
+    dispatch: MoE token dispatch, ``"all_to_all"`` (capacity based; runs on CPU) or ``"ragged_all_to_all"``.
+    enabled: False keeps the identity placement (no redundant slots are used).
+    """
+
+    redundant_slots_per_rank: int = 0
+    window_steps: int = 100
+    rebalance_period: int = 1000
+    dispatch: str = "all_to_all"
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "redundant_slots_per_rank",
+                           _int("eplb.redundant_slots_per_rank", self.redundant_slots_per_rank, 0))
+        object.__setattr__(self, "window_steps", _int("eplb.window_steps", self.window_steps, 1))
+        object.__setattr__(self, "rebalance_period", _int("eplb.rebalance_period", self.rebalance_period, 1))
+        if _str("eplb.dispatch", self.dispatch) not in DISPATCHES:
+            raise ShardingError("eplb.dispatch", f"must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if not isinstance(self.enabled, bool):
+            raise ShardingError("eplb.enabled", f"must be a boolean, got {self.enabled!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPreset:
+    """A deployment layout; frozen and hashable.
+
+    name: the preset's name. axes: mesh axis names (a subset of ``MESH_AXES``, each once).
+    shape: the mesh size along each axis. dp_size / ep_size: the attention data-parallel and
+    expert-parallel degrees, checked against the product of the mesh axes that ``batch`` and
+    ``experts`` map to. rules: the full rules table (``RULES`` with the preset's overrides) as
+    sorted ``(logical, mesh axes)`` pairs. eplb: ``EplbSettings``. description: free text.
+    """
+
+    name: str
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    dp_size: int
+    ep_size: int
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = tuple(sorted(RULES.items()))
+    eplb: EplbSettings = EplbSettings()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _str("name", self.name)
+        if not isinstance(self.axes, (list, tuple)) or not self.axes:
+            raise ShardingError("mesh.axes", f"must be a non-empty list of axis names, got {self.axes!r}")
+        axes = tuple(_str(f"mesh.axes[{i}]", a) for i, a in enumerate(self.axes))
+        for i, a in enumerate(axes):
+            if a not in MESH_AXES:
+                raise ShardingError(f"mesh.axes[{i}]", f"unknown mesh axis {a!r} (known: {', '.join(MESH_AXES)})")
+        if len(set(axes)) != len(axes):
+            raise ShardingError("mesh.axes", f"names an axis twice: {list(axes)}")
+        if not isinstance(self.shape, (list, tuple)) or len(self.shape) != len(axes):
+            raise ShardingError("mesh.shape", f"must be a list of {len(axes)} sizes (one per axis), got {self.shape!r}")
+        shape = tuple(_int(f"mesh.shape[{i}]", s, 1) for i, s in enumerate(self.shape))
+        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "rules", _check_rules(self.rules, axes))
+        if not isinstance(self.eplb, EplbSettings):
+            raise ShardingError("eplb", f"must be EplbSettings, got {self.eplb!r}")
+        _str("description", self.description)
+        for field, logical in (("dp_size", "batch"), ("ep_size", "experts")):
+            value = _int(f"parallel.{field}", getattr(self, field), 1)
+            object.__setattr__(self, field, value)
+            implied = self.axis_size(*self.mesh_axes(logical))
+            if value != implied:
+                raise ShardingError(f"parallel.{field}", f"is {value} but the rules map {logical!r} to mesh axes "
+                                    f"{list(self.mesh_axes(logical))} of total size {implied}")
+
+    # ---- queries ----
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp_axes(self) -> tuple[str, ...]:
+        """Mesh axes of attention data parallelism (the request batch and the cache)."""
+        return self.mesh_axes("batch")
+
+    @property
+    def ep_axes(self) -> tuple[str, ...]:
+        """Mesh axes of expert parallelism (the routed experts; the EP MoE's ``shard_map`` axes)."""
+        return self.mesh_axes("experts")
+
+    def axis_size(self, *axes: str) -> int:
+        """Product of the sizes of the given mesh axes (1 for none)."""
+        sizes = dict(zip(self.axes, self.shape))
+        return math.prod(sizes[a] for a in axes)
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes (present in this mesh) that a logical axis maps to; () = replicated."""
+        if logical is None:
+            return ()
+        table = dict(self.rules)
+        if logical not in table:
+            raise ShardingError("rules", f"unknown logical axis {logical!r} (known: {', '.join(sorted(table))})")
+        return tuple(a for a in table[logical] if a in self.axes)
+
+    def experts_per_rank(self, cfg) -> int:
+        """Physical expert slots per EP rank: logical experts / EP + the redundant slots."""
+        self.validate_for(cfg)
+        return cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
+
+    def validate_for(self, cfg) -> None:
+        """ShardingError unless the model's routed experts divide evenly over the EP ranks."""
+        if cfg.n_routed_experts % self.ep_size:
+            raise ShardingError("parallel.ep_size", f"{self.ep_size} does not divide the model's "
+                                f"n_routed_experts {cfg.n_routed_experts}")
+
+    def replace(self, **changes: Any) -> ShardingPreset:
+        return dataclasses.replace(self, **changes)
+
+    # ---- construction ----
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], name: str | None = None) -> ShardingPreset:
+        """A preset from a parsed TOML document (see ``config/sharding/*.toml`` for the layout)."""
+        raw = _table("preset", raw)
+        _no_extra("", raw, ("name", "description", "mesh", "parallel", "rules", "eplb"))
+        mesh = _table("mesh", raw.get("mesh"))
+        _no_extra("mesh", mesh, ("axes", "shape"))
+        for key in ("axes", "shape"):
+            if key not in mesh:
+                raise ShardingError(f"mesh.{key}", "is required")
+        par = _table("parallel", raw.get("parallel", {}))
+        _no_extra("parallel", par, ("dp_size", "ep_size"))
+        for key in ("dp_size", "ep_size"):
+            if key not in par:
+                raise ShardingError(f"parallel.{key}", "is required")
+        eplb = _table("eplb", raw.get("eplb", {}))
+        _no_extra("eplb", eplb, [f.name for f in dataclasses.fields(EplbSettings)])
+        overrides = _table("rules", raw.get("rules", {}))
+        rules = dict(RULES)
+        for logical, value in overrides.items():
+            if logical not in RULES:
+                raise ShardingError(f"rules.{logical}", f"unknown logical axis (known: {', '.join(RULES)})")
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, (list, tuple)):
+                raise ShardingError(f"rules.{logical}", f"must be a mesh axis name or a list of them, got {value!r}")
+            rules[logical] = tuple(_str(f"rules.{logical}[{i}]", v) for i, v in enumerate(value))
+        for logical in _FOLLOW_BATCH:
+            if logical not in overrides:
+                rules[logical] = rules["batch"]
+        return cls(name=_str("name", raw.get("name", name or "custom")), axes=tuple(mesh["axes"]),
+                   shape=tuple(mesh["shape"]) if isinstance(mesh["shape"], (list, tuple)) else mesh["shape"],
+                   dp_size=par["dp_size"], ep_size=par["ep_size"], rules=tuple(sorted(rules.items())),
+                   eplb=EplbSettings(**eplb), description=_str("description", raw.get("description", "")))
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> ShardingPreset:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except OSError as e:
+            raise ShardingError("preset", f"cannot read {path}: {e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ShardingError("preset", f"{path} is not valid TOML: {e}") from e
+        return cls.from_dict(raw, name=path.stem)
+
+
+def _check_rules(rules: Any, axes: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    table = dict(rules)
+    missing = sorted(set(RULES) - set(table))
+    if missing:
+        raise ShardingError(f"rules.{missing[0]}", "is missing from the rules table")
+    for logical, mesh_axes in table.items():
+        if logical not in RULES:
+            raise ShardingError(f"rules.{logical}", f"unknown logical axis (known: {', '.join(RULES)})")
+        for a in mesh_axes:
+            if a not in MESH_AXES:
+                raise ShardingError(f"rules.{logical}", f"unknown mesh axis {a!r} (known: {', '.join(MESH_AXES)})")
+        if len(set(mesh_axes)) != len(mesh_axes):
+            raise ShardingError(f"rules.{logical}", f"names a mesh axis twice: {list(mesh_axes)}")
+    return tuple(sorted((k, tuple(v)) for k, v in table.items()))
+
+
+def available_presets() -> tuple[str, ...]:
+    """Names of the shipped presets."""
+    return tuple(sorted(p.stem for p in PRESET_DIR.glob("*.toml")))
+
+
+def resolve_preset(preset: str | os.PathLike[str] | ShardingPreset) -> ShardingPreset:
+    """A ``ShardingPreset`` from a shipped preset name, a path to a ``.toml`` file, or a preset (returned as is)."""
+    if isinstance(preset, ShardingPreset):
+        return preset
+    if not isinstance(preset, (str, os.PathLike)):
+        raise ShardingError("sharding", f"must be a preset name, a .toml path or a ShardingPreset, got {preset!r}")
+    text = os.fspath(preset)
+    if text.endswith(".toml") or os.sep in text:
+        return ShardingPreset.from_toml(text)
+    path = PRESET_DIR / f"{text}.toml"
+    if not path.is_file():
+        raise ShardingError("sharding", f"unknown preset {text!r} (shipped: {', '.join(available_presets())})")
+    return ShardingPreset.from_toml(path)
+
+
+# ---- meshes and layouts --------------------------------------------------------------------------
+
+
+def make_mesh(preset: str | ShardingPreset, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The preset's ``Mesh`` over the first ``num_devices`` of ``devices`` (default: every process's devices).
+
+    Axes are ``AxisType.Auto`` (GSPMD propagation; ``jax.make_mesh`` would default to Explicit).
+    ShardingError ``mesh.shape`` if the mesh needs more devices than there are, or, with several
+    processes, fewer (every process must own part of the mesh).
+    """
+    preset = resolve_preset(preset)
+    devices = list(jax.devices() if devices is None else devices)
+    n = preset.num_devices
+    if n > len(devices):
+        raise ShardingError("mesh.shape", f"preset {preset.name!r} needs {n} devices "
+                            f"({' x '.join(map(str, preset.shape))}), only {len(devices)} available")
+    if jax.process_count() > 1 and n != len(devices):
+        raise ShardingError("mesh.shape", f"with {jax.process_count()} processes the mesh must use all "
+                            f"{len(devices)} devices, preset {preset.name!r} has {n}")
+    return auto_mesh(preset.shape, preset.axes, devices[:n])
+
+
+def _preset_for(mesh: Mesh, preset: str | ShardingPreset | None) -> ShardingPreset:
+    """The preset whose rules apply on ``mesh`` (default: ``RULES`` on the mesh's own axes)."""
+    if preset is not None:
+        preset = resolve_preset(preset)
+        if dict(zip(preset.axes, preset.shape)) != dict(mesh.shape):
+            raise ShardingError("mesh", f"mesh axes {dict(mesh.shape)} do not match preset {preset.name!r} "
+                                f"({dict(zip(preset.axes, preset.shape))})")
+        return preset
+    axes, shape = tuple(mesh.axis_names), tuple(mesh.shape[a] for a in mesh.axis_names)
+    sizes = dict(zip(axes, shape))
+    size = lambda logical: math.prod(sizes.get(a, 1) for a in RULES[logical])
+    return ShardingPreset(name="mesh", axes=axes, shape=shape, dp_size=size("batch"), ep_size=size("experts"))
+
+
+def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], preset: ShardingPreset,
+                 name: str = "array") -> PartitionSpec:
+    """The ``PartitionSpec`` of an array with these logical axes under the preset's rules.
+
+    ShardingError naming ``name`` if a dimension does not divide by its mesh axes, or if two
+    dimensions map to the same mesh axis.
+    """
+    if len(logical_axes) > len(shape):
+        raise ShardingError(name, f"has {len(shape)} dimensions but {len(logical_axes)} logical axes")
+    parts, used = [], set()
+    for dim, logical in enumerate(logical_axes):
+        axes = preset.mesh_axes(logical)
+        if used & set(axes):
+            raise ShardingError(name, f"maps mesh axes {sorted(used & set(axes))} to two dimensions")
+        used |= set(axes)
+        size = preset.axis_size(*axes)
+        if shape[dim] % size:
+            raise ShardingError(name, f"dimension {dim} ({logical!r}, size {shape[dim]}) does not divide by mesh "
+                                f"axes {list(axes)} (size {size})")
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return PartitionSpec(*parts)
+
+
+def _key_name(entry) -> str | None:
+    if isinstance(entry, jax.tree_util.DictKey):
+        return str(entry.key)
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return str(entry.idx)
+    return None  # attribute keys of Variable wrappers (``.value``) are not part of the name
+
+
+def _dotted(path) -> str:
+    return ".".join(k for k in map(_key_name, path) if k is not None)
+
+
+def param_logical_axes(path: str) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at dotted ``path`` (``layers.3.ffn.experts.w1``, ``mtp.0.main_proj.weight``).
+
+    A DSpark stage (``mtp.S``) falls back to the block entries (``layers.*``); ShardingError if unknown.
+    """
+    key = re.sub(r"^(layers|mtp)\.\d+\.", r"\1.*.", path)
+    if key not in PARAM_AXES and key.startswith("mtp.*."):
+        key = "layers.*." + key.removeprefix("mtp.*.")
+    if key not in PARAM_AXES:
+        raise ShardingError(path, "has no entry in sharding.PARAM_AXES (add its logical axes there)")
+    return PARAM_AXES[key]
+
+
+def param_shardings(params, mesh: Mesh, preset: str | ShardingPreset | None = None):
+    """``NamedSharding`` for every leaf of a parameter state (arrays or ``ShapeDtypeStruct``), same structure."""
+    preset = _preset_for(mesh, preset)
+
+    def one(path, leaf):
+        name = _dotted(path)
+        return NamedSharding(mesh, logical_spec(param_logical_axes(name), np.shape(leaf), preset, name))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def cache_shardings(cache, mesh: Mesh, preset: str | ShardingPreset | None = None):
+    """``NamedSharding`` for every array of a cache pytree (``init_cache``'s dict), same structure."""
+    preset = _preset_for(mesh, preset)
+
+    def one(path, leaf):
+        name = "cache." + _dotted(path)
+        top = _key_name(path[0])
+        if top not in CACHE_AXES:
+            raise ShardingError(name, "has no entry in sharding.CACHE_AXES")
+        return NamedSharding(mesh, logical_spec(CACHE_AXES[top], np.shape(leaf), preset, name))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def _place(tree, shardings):
+    """Put every leaf of ``tree`` on its sharding; works across processes (each holds the full host value)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(leaf, sharding):
+        if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+            return leaf
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def shard_params(params, mesh: Mesh, preset: str | ShardingPreset | None = None):
+    """The parameter state placed on ``mesh`` by the rules (every process passes the same values)."""
+    return _place(params, param_shardings(params, mesh, preset))
+
+
+def shard_cache(cache, mesh: Mesh, preset: str | ShardingPreset | None = None):
+    """The cache pytree placed on ``mesh`` (slots and blocks split over the DP axes)."""
+    return _place(cache, cache_shardings(cache, mesh, preset))
+
+
+def gather_to_host(x: jax.Array) -> np.ndarray:
+    """A (possibly multi-process) global array as one numpy array, on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# ---- the sharded forward -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_forward(cfg, mesh: Mesh, preset: ShardingPreset):
+    from deepinfer_jax.model.deepseek_v41 import abstract_params, forward_full
+
+    params_sh = param_shardings(abstract_params(cfg), mesh, preset)
+    ids_sh = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
+    logits_sh = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None, None, preset.mesh_axes("vocab") or None))
+    return jax.jit(lambda params, ids: forward_full(params, cfg, ids), in_shardings=(params_sh, ids_sh),
+                   out_shardings=logits_sh)
+
+
+def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | ShardingPreset | None = None) -> jax.Array:
+    """``forward_full`` on ``mesh``: token_ids [B, T] -> logits [B, T, V] fp32, batch split over the DP axes.
+
+    The same function as ``deepinfer_jax.forward_full``, jitted with the rules' in/out shardings
+    (GSPMD propagates the rest; the routed experts' weights stay split over the EP axes). The batch
+    is padded with copies of row 0 to a multiple of the DP size and the padding dropped again.
+    Parameters not already on their shardings are placed first (``shard_params``). Every process
+    of a multi-host run calls this with the same inputs; the result is a global array
+    (``gather_to_host`` reads it).
+    """
+    from deepinfer_jax.model.deepseek_v41 import _check_token_ids
+
+    preset = _preset_for(mesh, preset)
+    preset.validate_for(cfg)
+    ids = np.asarray(token_ids)
+    _check_token_ids(ids, cfg.vocab_size)
+    batch = ids.shape[0]
+    pad = -batch % preset.dp_size
+    if pad:
+        ids = np.concatenate([ids, np.repeat(ids[:1], pad, axis=0)])
+    fn = _sharded_forward(cfg, mesh, preset)
+    params = shard_params(params, mesh, preset)
+    ids = _place(ids.astype(np.int32), NamedSharding(mesh, PartitionSpec(preset.dp_axes or None)))
+    logits = fn(params, ids)
+    return logits[:batch] if pad else logits
+
+
+# ---- multi-host ------------------------------------------------------------------------------------
+
+#: Environment variables read by ``init_distributed`` (the only place they are read).
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = ("DEEPINFER_COORDINATOR", "DEEPINFER_NUM_PROCESSES",
+                                                      "DEEPINFER_PROCESS_ID")
+
+
+def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, *, timeout_s: int = 300,
+                     environ: Mapping[str, str] | None = None) -> bool:
+    """Start ``jax.distributed`` for a multi-host run; returns True if it did, False for a single process.
+
+    Each setting comes from its argument, else from ``DEEPINFER_COORDINATOR`` (``host:port`` of
+    process 0's coordinator service), ``DEEPINFER_NUM_PROCESSES`` and ``DEEPINFER_PROCESS_ID``.
+    With none of them set this is a no-op; a partial or malformed set is a ShardingError naming the
+    setting. Call it before any other JAX call; afterwards ``jax.devices()`` (and ``make_mesh``)
+    spans every process's devices. CPU processes talk through gloo collectives.
+    """
+    env = os.environ if environ is None else environ
+    values = {"coordinator_address": (coordinator_address, ENV_COORDINATOR),
+              "num_processes": (num_processes, ENV_NUM_PROCESSES), "process_id": (process_id, ENV_PROCESS_ID)}
+    got = {k: (v if v is not None else env.get(var) or None) for k, (v, var) in values.items()}
+    if all(v is None for v in got.values()):
+        return False
+    for key, value in got.items():
+        if value is None:
+            raise ShardingError(f"{key} ({values[key][1]})", "is required once any multi-host setting is given")
+    coord = _str(f"coordinator_address ({ENV_COORDINATOR})", got["coordinator_address"])
+    host, _, port = coord.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShardingError(f"coordinator_address ({ENV_COORDINATOR})", f"must be host:port, got {coord!r}")
+    n = _int(f"num_processes ({ENV_NUM_PROCESSES})", _as_int(got["num_processes"]), 1)
+    pid = _int(f"process_id ({ENV_PROCESS_ID})", _as_int(got["process_id"]), 0)
+    if pid >= n:
+        raise ShardingError(f"process_id ({ENV_PROCESS_ID})", f"must be < num_processes {n}, got {pid}")
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    if is_initialized is not None and is_initialized():
+        return True
+    if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need real collectives
+    jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid,
+                               initialization_timeout=int(timeout_s))
+    return True
+
+
+def _as_int(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return value
