@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 ORACLE := torch==2.13.0 "transformers>=5.18,<6" pillow
 NEMO := nemo-automodel==0.7.0
 
-.PHONY: demo test bench checkpoint train clean
+.PHONY: demo test bench checkpoint train clean kernels
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/prefix_cache.py
 	$(PY) benchmarks/recipe.py
+	$(PY) benchmarks/structured.py
+	$(PY) benchmarks/eplb.py
+	$(PY) benchmarks/kernels.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime
@@ -43,3 +46,9 @@ clean:
 # Retrain the default checkpoint from scratch (~38 min training + ~6 min evaluation on 2 cores), rewrite its card.
 train: $(VENV)/.test
 	$(PY) examples/train_small.py
+
+# Build the optional CUDA custom calls (XLA FFI handlers) into custom_calls/build; needs nvcc and cmake.
+CUDA_ARCHS ?= 90a;100a
+kernels: $(VENV)/.runtime
+	cmake -S custom_calls -B custom_calls/build -DPython_EXECUTABLE=$(abspath $(PY)) "-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS)"
+	cmake --build custom_calls/build -j2

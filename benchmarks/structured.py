@@ -1,6 +1,6 @@
 """Structured output: token-mask time at the full vocabulary and engine throughput with constraints.
 
-    python benchmarks/structured.py [--model DIR|tiny|small] [--requests 16] [--max-tokens 48] [--repeats 2]
+    python benchmarks/structured.py [--model DIR|tiny|small] [--requests 16] [--max-tokens 96] [--repeats 2]
 
 1. Mask time: llguidance matchers (the engine's ``LLGuidanceBackend``, 129,280-token vocabulary)
    walk valid JSON documents of a few schemas token by token; each step's mask fill is timed on
@@ -89,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 

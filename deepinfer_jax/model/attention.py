@@ -16,10 +16,14 @@ from flax import nnx
 
 from deepinfer_jax.config import LayerRole
 from deepinfer_jax.model.compressor import Compressor
-from deepinfer_jax.model.indexer import Indexer, candidate_pool, select_topk
+from deepinfer_jax.model.indexer import Indexer
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_nvfp4
 from deepinfer_jax.model.rope import apply_rope, rope_angles, rope_frequencies
+from deepinfer_jax.ops import dispatch
+from deepinfer_jax.ops.indexer_topk import indexer_topk
+from deepinfer_jax.ops.sparse_attention import sparse_attention
+from deepinfer_jax.ops.sparse_attention.reference import global_rows
 
 
 class GlobalState(NamedTuple):
@@ -115,6 +119,15 @@ class Attention(nnx.Module):
         valid = [jnp.broadcast_to(rows >= 0, (b, t, w))]
         if self.ratio:
             state = self._global(x_BTd, q_lat, angles, state)
+        if not dispatch.uses_reference():  # kernels: flat tokens, each batch row's entries one block of the pool
+            flat = lambda a: a.reshape(b * t, *a.shape[2:])
+            paged = (None,) * 4
+            if self.ratio:
+                pool = state.global_kv if state.global_kv.shape[1] else jnp.zeros((b, 1, kv.shape[-1]), kv.dtype)
+                paged = (pool.astype(kv.dtype), jnp.arange(b)[:, None], jnp.repeat(jnp.arange(b), t), flat(state.topk))
+            o = attend_step(flat(q), flat(keys[0]), flat(valid[0]), self.attn_sink[...], *paged)
+            return self.output(o.reshape(q.shape), angles), state
+        if self.ratio:
             sel = state.topk  # [B, T, k], -1 = empty slot
             if state.global_kv.shape[1] == 0:
                 gathered = jnp.zeros((*sel.shape, kv.shape[-1]), kv.dtype)
@@ -154,12 +167,11 @@ class Attention(nnx.Module):
         """(top-k entry ids [..., k], candidate pool [..., W]) from index scores [..., W].
 
         The candidate source publishes its block pool; later index layers are confined to it.
+        ``visible`` must be ``arange(W) < n_visible`` (the selection kernels derive it from n_visible).
         """
-        if self.is_candidate_source:
-            candidates = candidate_pool(scores, n_visible, self.candidate_blocks, self.candidate_block_size) & visible
-        elif self.uses_candidates:
-            scores = jnp.where(candidates, scores, -jnp.inf)
-        return select_topk(scores, self.index_topk), candidates
+        mode = "source" if self.is_candidate_source else "confined" if self.uses_candidates else "plain"
+        return indexer_topk(scores, n_visible, self.index_topk, mode, candidates, self.candidate_blocks,
+                            self.candidate_block_size)
 
 
 def attend(q_BTHD: jax.Array, kv_BTSD: jax.Array, valid_BTS: jax.Array, sink_H: jax.Array) -> jax.Array:
@@ -176,3 +188,26 @@ def attend(q_BTHD: jax.Array, kv_BTSD: jax.Array, valid_BTS: jax.Array, sink_H: 
     sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits.shape[:-1], 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
     return jnp.einsum("bths,btsd->bthd", probs, kv).astype(q_BTHD.dtype)
+
+
+def attend_step(q_NHD: jax.Array, window_NWD: jax.Array, window_valid_NW: jax.Array, sink_H: jax.Array,
+                pool_PED: jax.Array | None = None, block_tables_RM: jax.Array | None = None,
+                token_req_N: jax.Array | None = None, topk_NK: jax.Array | None = None) -> jax.Array:
+    """The paged step's attention: window rows plus (when ``pool_PED`` is given) the selected entries of
+    the block pool via the block tables; o [N, H, D].
+
+    The reference path gathers the entries and runs ``attend`` (the step's numerics unchanged); the
+    kernel paths run ``deepinfer_jax.ops.sparse_attention`` (the two parts merged by log-sum-exp).
+    """
+    if pool_PED is None:  # SWA layer: window only
+        n = q_NHD.shape[0]
+        pool_PED, block_tables_RM = jnp.zeros((1, 1, window_NWD.shape[-1]), window_NWD.dtype), jnp.zeros((1, 1), jnp.int32)
+        token_req_N, topk_NK = jnp.zeros((n,), jnp.int32), jnp.zeros((n, 0), jnp.int32)
+    if not dispatch.uses_reference():
+        return sparse_attention(q_NHD, window_NWD, window_valid_NW, pool_PED, block_tables_RM, token_req_N, topk_NK,
+                                sink_H)
+    keys, valid = window_NWD, window_valid_NW
+    if topk_NK.shape[-1]:
+        rows, ok = global_rows(pool_PED, block_tables_RM, token_req_N, topk_NK)
+        keys, valid = jnp.concatenate([keys, rows.astype(keys.dtype)], 1), jnp.concatenate([valid, ok], 1)
+    return attend(q_NHD[None], keys[None], valid[None], sink_H)[0]

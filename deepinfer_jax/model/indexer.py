@@ -4,12 +4,11 @@ FULL layers own the index keys (projected from the compressor's pre-RoPE latent)
 REINDEX layers score every visible global entry per query and keep the top-k; the candidate
 source layer also publishes a block-level candidate pool that later REINDEX layers are confined to.
 
-Tie rule: among equal scores the lowest entry index wins (``jax.lax.top_k`` order).
+Tie rule: among equal scores the lowest entry index wins (``jax.lax.top_k`` order). Scoring and
+selection run the kernels selected in ``deepinfer_jax.ops.dispatch`` (``ops/indexer_topk``).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,10 @@ from flax import nnx
 from deepinfer_jax.model.layers import Linear, RMSNorm
 from deepinfer_jax.model.quant import fake_quant_mxfp4
 from deepinfer_jax.model.rope import apply_rope
+from deepinfer_jax.ops import dispatch
+from deepinfer_jax.ops.indexer_topk import indexer_scores
+from deepinfer_jax.ops.indexer_topk.reference import candidate_pool, select_topk  # noqa: F401 (re-exported)
+from deepinfer_jax.ops.indexer_topk.reference import combine as _combine
 
 
 class Indexer(nnx.Module):
@@ -50,49 +53,20 @@ class Indexer(nnx.Module):
         return q, w.astype(jnp.float32)
 
     def scores(self, x_BTd, q_lat_BTq, angles_BTP, keys_BWk, visible_BTW) -> jax.Array:
-        """``score[t, j] = sum_h w[t, h] * relu(qi[t, h] . K_j)``; invisible entries get -inf. fp32 [B, T, W]."""
+        """``score[t, j] = sum_h w[t, h] * relu(qi[t, h] . K_j)``; invisible entries get -inf. fp32 [B, T, W].
+
+        The reference path keeps its [B, T] einsum; kernels score the flat tokens of every row.
+        """
         q, w = self.query(x_BTd, q_lat_BTq, angles_BTP)
-        dots = jnp.einsum("bthk,bwk->bthw", q.astype(jnp.float32), keys_BWk.astype(jnp.float32))
-        return _combine(dots, w, visible_BTW)
+        if dispatch.uses_reference():
+            dots = jnp.einsum("bthk,bwk->bthw", q.astype(jnp.float32), keys_BWk.astype(jnp.float32))
+            return _combine(dots, w, visible_BTW)
+        b, t = q.shape[:2]
+        s = indexer_scores(q.reshape(b * t, *q.shape[2:]), w.reshape(b * t, -1), keys_BWk,
+                           jnp.repeat(jnp.arange(b), t), visible_BTW.reshape(b * t, -1))
+        return s.reshape(b, t, -1)
 
     def scores_per_token(self, x_1Nd, q_lat_1Nq, angles_1NP, keys_NEk, visible_NE) -> jax.Array:
         """As ``scores`` for a flat batch whose tokens each see their own entries: keys [N, E, hd] -> [N, E]."""
         q, w = self.query(x_1Nd, q_lat_1Nq, angles_1NP)
-        dots = jnp.einsum("nhk,nek->nhe", q[0].astype(jnp.float32), keys_NEk.astype(jnp.float32))
-        return _combine(dots, w[0], visible_NE)
-
-
-def _combine(dots: jax.Array, w: jax.Array, visible: jax.Array) -> jax.Array:
-    s = jnp.sum(jax.nn.relu(dots) * w[..., None], axis=-2)
-    return jnp.where(visible, s, -jnp.inf)
-
-
-def candidate_pool(scores: jax.Array, n_visible: jax.Array, topk_blocks: int, block: int) -> jax.Array:
-    """Boolean [..., W]: the top ``topk_blocks`` blocks of ``block`` consecutive entries by max score.
-
-    scores [..., W] (any leading axes); n_visible [...]. The block holding the newest visible entry
-    is always kept (forced to +inf); blocks with no finite score are never kept.
-    """
-    *lead, w = scores.shape
-    nb = -(-w // block)
-    padded = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, nb * block - w)], constant_values=-jnp.inf)
-    block_scores = jnp.max(padded.reshape(*lead, nb, block), axis=-1)
-    newest = (n_visible - 1) // block
-    block_scores = jnp.where(jnp.arange(nb) == newest[..., None], jnp.inf, block_scores)
-    vals, idx = jax.lax.top_k(block_scores, min(topk_blocks, nb))
-    flat_keep = jnp.zeros((math.prod(lead), nb), bool)
-    flat_keep = jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf))(
-        flat_keep, idx.reshape(-1, idx.shape[-1]), vals.reshape(-1, vals.shape[-1]))
-    return jnp.repeat(flat_keep.reshape(*lead, nb), block, axis=-1)[..., :w]
-
-
-def select_topk(scores_BTW: jax.Array, k: int) -> jax.Array:
-    """Indices [..., k] of the top-k entries, ascending; slots without a finite score (or past W) are -1."""
-    w = scores_BTW.shape[-1]
-    if w == 0:
-        return jnp.full((*scores_BTW.shape[:-1], k), -1, jnp.int32)
-    vals, idx = jax.lax.top_k(scores_BTW, min(k, w))
-    idx = jnp.where(vals > -jnp.inf, idx, w)  # sort invalid slots last, then mark them
-    idx = jnp.sort(idx, axis=-1)
-    idx = jnp.where(idx == w, -1, idx).astype(jnp.int32)
-    return jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - idx.shape[-1])], constant_values=-1)
+        return indexer_scores(q[0], w[0], keys_NEk, jnp.arange(keys_NEk.shape[0]), visible_NE)

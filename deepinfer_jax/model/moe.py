@@ -4,16 +4,22 @@ Router in fp32: ``s = sqrt(softplus(x . W_g^T))``; top-k of ``s + bias`` selects
 weighs); weights are ``s`` at the selected experts, renormalised, times ``routed_scaling_factor``.
 Experts are clamped SwiGLU. This dense formulation evaluates every expert on every token and
 zero-weights the unselected ones: exact, and cheap at the small expert counts that run on CPU;
-the grouped-matmul kernel path replaces it where it matters.
+with a kernel platform selected (``deepinfer_jax.ops.dispatch``) the routed experts run on
+expert-sorted rows through the grouped-matmul kernel instead.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from deepinfer_jax.model.layers import Linear, matmul_t
+from deepinfer_jax.ops import dispatch
+from deepinfer_jax.ops.grouped_matmul import grouped_matmul
+from deepinfer_jax.ops.grouped_matmul.reference import moe_experts
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -85,13 +91,20 @@ class MoE(nnx.Module):
         x = x_BTd.reshape(-1, shape[-1])
         logits = matmul_t(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
         w, ids = route(logits, self.gate.bias[...], self.top_k, self.scale, self.renormalize)
-        n_experts = logits.shape[-1]
-        combine = jnp.zeros((x.shape[0], n_experts), jnp.float32)
-        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)
         w1, w3, w2 = self.experts.w1[...], self.experts.w3[...], self.experts.w2[...]
+        if dispatch.uses_reference():
+            y = self._dense_experts(x, w, ids, w1, w3, w2)
+        else:  # expert-sorted rows through the selected grouped-matmul kernel (ops/grouped_matmul)
+            act = functools.partial(swiglu, limit=self.limit)
+            y = moe_experts(x, w1, w3, w2, ids, w, act, gmm=grouped_matmul)
+        y = y + self.shared_experts(x).astype(jnp.float32)
+        return y.astype(x_BTd.dtype).reshape(shape)
+
+    def _dense_experts(self, x, w, ids, w1, w3, w2):
+        """The reference path: every expert on every token, unselected ones zero-weighted -> fp32 [N, d]."""
+        combine = jnp.zeros((x.shape[0], w1.shape[0]), jnp.float32)
+        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)
         n_tok, (e, inter, d) = x.shape[0], w1.shape
         h = swiglu(matmul_t(x, w1.reshape(e * inter, d)), matmul_t(x, w3.reshape(e * inter, d)), self.limit)
         h = (h.reshape(n_tok, e, inter) * combine[..., None]).astype(x.dtype).reshape(n_tok, e * inter)
-        y = matmul_t(h, jnp.transpose(w2, (1, 0, 2)).reshape(d, e * inter)).astype(jnp.float32)
-        y = y + self.shared_experts(x).astype(jnp.float32)
-        return y.astype(x_BTd.dtype).reshape(shape)
+        return matmul_t(h, jnp.transpose(w2, (1, 0, 2)).reshape(d, e * inter)).astype(jnp.float32)

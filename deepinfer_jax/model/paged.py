@@ -33,7 +33,7 @@ from flax import nnx
 from deepinfer_jax.config import LayerRole
 from deepinfer_jax.model import kv_cache as kc
 from deepinfer_jax.model import mhc
-from deepinfer_jax.model.attention import attend
+from deepinfer_jax.model.attention import attend_step
 from deepinfer_jax.model.deepseek_v41 import _graphdef
 from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
@@ -81,7 +81,7 @@ class _Shared(NamedTuple):
     """Cross-layer CSA2 state within a step: the current KV source's entries and the selection."""
 
     source: int = -1
-    kv_RED: jax.Array | None = None  # main entries of every request row [R, E, D] (decoded)
+    pool_PED: jax.Array | None = None  # main entries of the whole block pool [P, block_size // ratio, D] (decoded)
     index_RED: jax.Array | None = None  # index keys of every request row [R, E, hd] (decoded)
     topk: jax.Array | None = None  # [N, k]
     candidates: jax.Array | None = None  # [N, E]
@@ -174,7 +174,6 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
     keep = m.valid & (m.pos >= m.new - cap)
     ring_at = (layer, jnp.where(keep, m.inp.req_slot[m.inp.token_req], m.cache_cfg.max_requests), jnp.mod(m.pos, cap))
     cache = {**cache, "swa": kc.scatter(cache["swa"], ring_at, stored)}
-    keys, valid = [keys], [valid]
     if attn.ratio:
         r, bs = attn.ratio, m.cache_cfg.block_size
         tables = m.inp.block_tables
@@ -197,7 +196,7 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             jj = jnp.arange(e)
             where_e = (jnp.clip(tables[:, (jj * r) // bs], 0, n_blocks - 1),
                        jnp.broadcast_to(jnp.mod(jj * r, bs) // r, (tables.shape[0], e)))
-            shared = _Shared(source=layer, kv_RED=kc.decode(kc.gather(glob["kv"], where_e), "nvfp4", m.quantized),
+            shared = _Shared(source=layer, pool_PED=kc.decode(glob["kv"], "nvfp4", m.quantized),
                              index_RED=kc.decode(kc.gather(glob["index"], where_e), "mxfp4", m.quantized),
                              candidates=shared.candidates)
         if attn.role in (LayerRole.FULL, LayerRole.REINDEX):
@@ -208,12 +207,11 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
             topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
             shared = shared._replace(topk=topk, candidates=candidates)
-        sel = shared.topk
-        gathered = shared.kv_RED[m.inp.token_req[:, None], jnp.maximum(sel, 0)]
-        keys.append(gathered.astype(kv_new.dtype))
-        valid.append(sel >= 0)
-    o = attend(q, jnp.concatenate(keys, 1)[None], jnp.concatenate(valid, 1)[None], attn.attn_sink[...])
-    return attn.output(o, angles), shared, cache
+        o = attend_step(q[0], keys, valid, attn.attn_sink[...], shared.pool_PED.astype(kv_new.dtype), tables,
+                        m.inp.token_req, shared.topk)
+    else:
+        o = attend_step(q[0], keys, valid, attn.attn_sink[...])
+    return attn.output(o[None], angles), shared, cache
 
 
 def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInputs):
