@@ -527,24 +527,37 @@ def gather_to_host(x: jax.Array) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
-def _sharded_forward(cfg, mesh: Mesh, preset: ShardingPreset):
+def _sharded_forward(cfg, mesh: Mesh, preset: ShardingPreset, expert_parallel: bool = False):
     from deepinfer_jax.model.deepseek_v41 import abstract_params, forward_full
 
     params_sh = param_shardings(abstract_params(cfg), mesh, preset)
     ids_sh = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
     logits_sh = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None, None, preset.mesh_axes("vocab") or None))
-    return jax.jit(lambda params, ids: forward_full(params, cfg, ids), in_shardings=(params_sh, ids_sh),
-                   out_shardings=logits_sh)
+
+    def body(params, ids):
+        if not expert_parallel:
+            return forward_full(params, cfg, ids)
+        from deepinfer_jax.parallel.ep_model import EPConfig
+        from deepinfer_jax.parallel.ep_model import expert_parallel as ep_context
+
+        config = EPConfig(dispatch=preset.eplb.dispatch, ep_axis=preset.ep_axes[0])
+        with ep_context(mesh, config):  # read while tracing: the MoE layers run through shard_map
+            return forward_full(params, cfg, ids)
+
+    return jax.jit(body, in_shardings=(params_sh, ids_sh), out_shardings=logits_sh)
 
 
-def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | ShardingPreset | None = None) -> jax.Array:
+def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | ShardingPreset | None = None,
+                         expert_parallel: bool = False) -> jax.Array:
     """``forward_full`` on ``mesh``: token_ids [B, T] -> logits [B, T, V] fp32, batch split over the DP axes.
 
     The same function as ``deepinfer_jax.forward_full``, jitted with the rules' in/out shardings
-    (GSPMD propagates the rest; the routed experts' weights stay split over the EP axes). The batch
-    is padded with copies of row 0 to a multiple of the DP size and the padding dropped again.
-    Parameters not already on their shardings are placed first (``shard_params``). Every process
-    of a multi-host run calls this with the same inputs; the result is a global array
+    (GSPMD propagates the rest; the routed experts' weights stay split over the EP axes). With
+    ``expert_parallel`` the MoE layers instead run through ``shard_map`` (``parallel.ep_model``):
+    tokens travel to the ranks holding their experts with the preset's dispatch and come back.
+    The batch is padded with copies of row 0 to a multiple of the DP size and the padding dropped
+    again. Parameters not already on their shardings are placed first (``shard_params``). Every
+    process of a multi-host run calls this with the same inputs; the result is a global array
     (``gather_to_host`` reads it).
     """
     from deepinfer_jax.model.deepseek_v41 import _check_token_ids
@@ -557,7 +570,9 @@ def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | Shard
     pad = -batch % preset.dp_size
     if pad:
         ids = np.concatenate([ids, np.repeat(ids[:1], pad, axis=0)])
-    fn = _sharded_forward(cfg, mesh, preset)
+    if expert_parallel and not preset.ep_axes:
+        raise ShardingError("expert_parallel", f"preset {preset.name!r} has no ep axis")
+    fn = _sharded_forward(cfg, mesh, preset, bool(expert_parallel))
     params = shard_params(params, mesh, preset)
     ids = _place(ids.astype(np.int32), NamedSharding(mesh, PartitionSpec(preset.dp_axes or None)))
     logits = fn(params, ids)

@@ -15,7 +15,7 @@ HOST_MODULES = ["engram_vocab.py", "tokenizer.py", "chat_grammar.py", "parallel/
                 *[str(p.relative_to(PKG)) for d in ("checkpoint", "cache", "config", "engine", "recipe")
                   for p in sorted((PKG / d).rglob("*.py"))]]
 DEVICE_MODULES = [f"model/{p.name}" for p in (PKG / "model").glob("*.py")] + [
-    "parallel/ep_moe.py", "parallel/weight_moves.py", "parallel/mesh.py"] + [
+    "parallel/ep_moe.py", "parallel/ep_model.py", "parallel/weight_moves.py", "parallel/mesh.py"] + [
     str(p.relative_to(PKG)) for p in sorted((PKG / "ops").rglob("*.py")) if "ascend" not in p.parts]
 
 

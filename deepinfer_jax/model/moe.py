@@ -5,7 +5,8 @@ weighs); weights are ``s`` at the selected experts, renormalised, times ``routed
 Experts are clamped SwiGLU. This dense formulation evaluates every expert on every token and
 zero-weights the unselected ones: exact, and cheap at the small expert counts that run on CPU;
 with a kernel platform selected (``deepinfer_jax.ops.dispatch``) the routed experts run on
-expert-sorted rows through the grouped-matmul kernel instead.
+expert-sorted rows through the grouped-matmul kernel instead, and inside
+``parallel.ep_model.expert_parallel`` they run expert-parallel over a mesh (``shard_map``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class MoE(nnx.Module):
     def __call__(self, x_BTd: jax.Array) -> jax.Array:
         shape = x_BTd.shape
         x = x_BTd.reshape(-1, shape[-1])
+        from deepinfer_jax.parallel import ep_model  # lazy: parallel.ep_moe imports route/swiglu from here
+
+        if ep_model.current() is not None:  # routed experts over the mesh's ep axis (shard_map)
+            y = ep_model.routed_experts(self, x) + self.shared_experts(x).astype(jnp.float32)
+            return y.astype(x_BTd.dtype).reshape(shape)
         logits = matmul_t(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
         w, ids = route(logits, self.gate.bias[...], self.top_k, self.scale, self.renormalize)
         w1, w3, w2 = self.experts.w1[...], self.experts.w3[...], self.experts.w2[...]

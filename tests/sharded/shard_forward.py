@@ -22,6 +22,9 @@ from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.model.kv_cache import init_cache
 
 
+EXPERT_PARALLEL = ("cpu-dp2-ep4", "cpu-dp1-ep8")  # presets also run with the shard_map expert-parallel MoE
+
+
 def shard_rows(x: jax.Array) -> list[int]:
     return list(x.addressable_shards[0].data.shape)
 
@@ -45,6 +48,10 @@ def main(out: str, presets: list[str]) -> None:
         if preset.dp_size == len(ids):  # 5 rows padded to the compiled 8: no new compile
             part = sh.gather_to_host(sh.sharded_forward_full(placed, cfg, ids[:5], mesh, preset))
             padded_err = float(np.abs(part - want[:5]).max())
+        ep_err = None
+        if name in EXPERT_PARALLEL:  # the MoE layers through shard_map (parallel.ep_model) instead of GSPMD
+            ep = sh.sharded_forward_full(placed, cfg, ids, mesh, preset, expert_parallel=True)
+            ep_err = float(np.abs(sh.gather_to_host(ep) - want).max())
         cache = sh.shard_cache(init_cache(cfg, cache_cfg), mesh, preset)
         layer = placed["layers"][0]
         print(json.dumps({
@@ -52,6 +59,7 @@ def main(out: str, presets: list[str]) -> None:
             "shape": list(host.shape),
             "max_abs_err": float(np.abs(host - want).max()),
             "max_abs_err_padded": padded_err,
+            "max_abs_err_expert_parallel": ep_err,
             "logit_scale": float(np.abs(want).max()),
             "logits_spec": str(got.sharding.spec),
             "logits_shard": shard_rows(got),
