@@ -38,8 +38,10 @@ _STACK: list[_EP] = []
 
 
 @contextlib.contextmanager
-def expert_parallel(mesh: Mesh, config: EPConfig = EPConfig()) -> Iterator[None]:
-    """Trace the MoE layers inside the block expert-parallel over ``config.ep_axis`` of ``mesh``."""
+def expert_parallel(mesh: Mesh, config: EPConfig | None = None) -> Iterator[None]:
+    """Trace the MoE layers inside the block expert-parallel over ``config.ep_axis`` of ``mesh``
+    (``config`` None: ``EPConfig()``, the capacity-based all_to_all over ``ep``)."""
+    config = EPConfig() if config is None else config
     if config.ep_axis not in mesh.axis_names:
         raise ValueError(f"EPConfig.ep_axis {config.ep_axis!r} is not an axis of the mesh {mesh.axis_names}")
     _STACK.append(_EP(mesh, config))

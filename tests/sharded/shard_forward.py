@@ -21,7 +21,6 @@ from deepinfer_jax import sharding as sh
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.model.kv_cache import init_cache
 
-
 EXPERT_PARALLEL = ("cpu-dp2-ep4", "cpu-dp1-ep8")  # presets also run with the shard_map expert-parallel MoE
 
 
