@@ -1,7 +1,7 @@
 """deepinfer-jax: DeepSeek's DeepInfer engine for the DeepSeek-V4.1-Flash architecture, in JAX."""
 
 from deepinfer_jax import recipe
-from deepinfer_jax.checkpoint import CheckpointError, load_hf_checkpoint, params_from_state_dict
+from deepinfer_jax.checkpoint import CheckpointError, load_hf_checkpoint, load_hf_drafter, params_from_state_dict
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
 from deepinfer_jax.engine import CompletionOutput, RequestError, RequestOutput, SamplingParams
 from deepinfer_jax.llm import LLM
@@ -23,6 +23,7 @@ __all__ = [
     "generate",
     "init_params",
     "load_hf_checkpoint",
+    "load_hf_drafter",
     "params_from_state_dict",
     "recipe",
 ]

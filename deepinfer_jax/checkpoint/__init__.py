@@ -13,9 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
-from deepinfer_jax.checkpoint.loader import CheckpointError, load_hf_checkpoint_tree, tensors_to_tree
+from deepinfer_jax.checkpoint.loader import (
+    CheckpointError,
+    drafter_tensors_to_tree,
+    load_hf_checkpoint_tree,
+    load_hf_drafter_tree,
+    tensors_to_tree,
+)
 
-__all__ = ["CheckpointError", "load_hf_checkpoint", "load_params", "params_from_state_dict", "save_params"]
+__all__ = ["CheckpointError", "drafter_params_from_state_dict", "load_hf_checkpoint", "load_hf_drafter",
+           "load_params", "params_from_state_dict", "save_params"]
 
 
 def params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float32", token_map=None):
@@ -38,6 +45,30 @@ def load_hf_checkpoint(path: str | Path, dtype="float32", progress: bool = True,
 
     cfg, tree = load_hf_checkpoint_tree(path, dtype=np.float32, progress=progress)
     return cfg, params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))
+
+
+def drafter_params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float32"):
+    """The DSpark drafter's state (``deepinfer_jax.model.dspark``) from the ``mtp.*`` tensors, or ``None``
+    when there are none. A partial or misshaped set raises ``CheckpointError``."""
+    tree = drafter_tensors_to_tree(cfg, tensors)
+    return None if tree is None else _drafter_state(cfg, tree, dtype)
+
+
+def load_hf_drafter(path: str | Path, cfg=None, dtype="float32"):
+    """The DSpark drafter of a checkpoint directory (``drafter.safetensors``, else its ``mtp.*`` tensors)
+    as a state for ``deepinfer_jax.model.dspark``, or ``None`` when it has no drafter."""
+    tree = load_hf_drafter_tree(path, cfg)
+    if tree is None:
+        return None
+    from deepinfer_jax.checkpoint.loader import read_hf_config
+
+    return _drafter_state(cfg if cfg is not None else read_hf_config(path), tree, dtype)
+
+
+def _drafter_state(cfg, tree, dtype):
+    from deepinfer_jax.model.dspark import drafter_params_from_tree
+
+    return drafter_params_from_tree(cfg, tree, dtype=_jnp_dtype(dtype))
 
 
 def save_params(path: str | Path, cfg, params) -> None:

@@ -39,13 +39,16 @@ def tree_to_hf_tensors(
     plain_dtype=ml_dtypes.bfloat16,
     block: Sequence[int] = (32, 32),
     group: int = 32,
+    drafter: bool = False,
 ) -> dict[str, np.ndarray]:
     """DeepSeek-native tensors (weights and ``.scale`` partners) for every expected name.
 
     ``quantize=False`` stores every non-FP32 tensor in ``plain_dtype`` without scales.
+    ``drafter``: the DSpark drafter's ``mtp.*`` tensors from its tree (``{"mtp": ...}``) instead.
     """
     out: dict[str, np.ndarray] = {}
-    for name, (shape, kind) in N.expected_tensors(cfg).items():
+    expected = N.expected_drafter_tensors(cfg) if drafter else N.expected_tensors(cfg)
+    for name, (shape, kind) in expected.items():
         path, expert = N.native_to_path(name)
         value = _leaf(tree, path, name)
         if expert is not None:

@@ -12,6 +12,11 @@ indices) with numpy leaves in ``[out, in]`` layout.
 Skipped (never loaded, never an error): ``vision.*``, ``aligner.*``, ``mtp.*``,
 ``image_{start,end,newline,pad}`` and layers at or past ``num_hidden_layers`` (a truncated
 prefix of a deeper checkpoint).
+
+The DSpark drafter (``mtp.*``, model.md §4.9) is read separately with ``drafter=True`` (every
+other name skipped) by :func:`drafter_tensors_to_tree` / :func:`load_hf_drafter_tree`: from
+``drafter.safetensors`` next to the backbone when present, else from the checkpoint's own ``mtp.*``
+tensors; a checkpoint without them has no drafter (``None``), never an error.
 """
 
 from __future__ import annotations
@@ -132,9 +137,12 @@ def _beyond_backbone(name: str, cfg: ModelConfig) -> bool:
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
 
-def plan_checkpoint(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> CheckpointPlan:
-    """Classify every name of ``tensors`` and validate shapes, dtypes and scale pairs."""
-    expected = N.expected_tensors(cfg)
+def plan_checkpoint(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, drafter: bool = False) -> CheckpointPlan:
+    """Classify every name of ``tensors`` and validate shapes, dtypes and scale pairs.
+
+    ``drafter``: plan the DSpark drafter's ``mtp.*`` tensors instead of the backbone (others skipped).
+    """
+    expected = N.expected_drafter_tensors(cfg) if drafter else N.expected_tensors(cfg)
     plan = CheckpointPlan(expected)
     present = set(tensors.keys())
 
@@ -145,7 +153,7 @@ def plan_checkpoint(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Chec
     for name in tensors.keys():
         if name in expected:
             continue
-        if N.is_skipped(name) or _beyond_backbone(name, cfg):
+        if (not N.is_drafter(name)) if drafter else (N.is_skipped(name) or _beyond_backbone(name, cfg)):
             plan.skipped.append(name)
         elif N.weight_of_scale(name) in expected:
             weight = N.weight_of_scale(name)
@@ -209,8 +217,9 @@ def tensors_to_tree(
     *,
     progress: bool = False,
     source: str | None = None,
+    drafter: bool = False,
 ) -> Tree:
-    """Decode checkpoint ``tensors`` into the backbone parameter tree.
+    """Decode checkpoint ``tensors`` into the backbone parameter tree (``drafter``: the ``mtp.*`` tree).
 
     Leaves are ``dtype`` (float32 / bfloat16 / float16) except mHC mixers, attention sinks and
     router biases (:attr:`TensorKind.FP32`), which stay float32. Every leaf is a fresh array
@@ -218,11 +227,11 @@ def tensors_to_tree(
     any data is decoded when the names, shapes or scale pairs do not match ``cfg``.
     """
     out_dtype = resolve_dtype(dtype)
-    plan = plan_checkpoint(cfg, tensors)
+    plan = plan_checkpoint(cfg, tensors, drafter=drafter)
     if not plan.ok:
         raise plan.error(source)
     tree: Tree = {}
-    E = cfg.n_routed_experts
+    E = cfg.dspark_n_routed_experts if drafter else cfg.n_routed_experts
     items = list(plan.load.items())
     for name, partner in tqdm(items, desc="loading tensors", unit="tensor", disable=not progress):
         shape, kind = plan.expected[name]
@@ -263,3 +272,32 @@ def load_hf_checkpoint_tree(
     with open_checkpoint(path) as reader:
         tree = tensors_to_tree(cfg, reader, dtype, progress=progress, source=str(path))
     return cfg, tree
+
+
+DRAFTER_FILE = "drafter.safetensors"
+
+
+def has_drafter(tensors: Mapping[str, np.ndarray]) -> bool:
+    """True when ``tensors`` holds any ``mtp.*`` (DSpark drafter) tensor."""
+    return any(N.is_drafter(name) for name in tensors)
+
+
+def drafter_tensors_to_tree(
+    cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32, *, source: str | None = None
+) -> Tree | None:
+    """The DSpark drafter's parameter tree (``{"mtp": {0: ..., 1: ...}}``) from the ``mtp.*`` names of
+    ``tensors``, or ``None`` when there are none. A partial or misshaped set raises ``CheckpointError``;
+    a config without DSpark stages (``num_nextn_predict_layers`` 0) with ``mtp.*`` tensors too.
+    """
+    if not has_drafter(tensors):
+        return None
+    return tensors_to_tree(cfg, tensors, dtype, source=source, drafter=True)
+
+
+def load_hf_drafter_tree(path: str | os.PathLike, cfg: ModelConfig | None = None, dtype=np.float32) -> Tree | None:
+    """The drafter tree of a checkpoint directory: ``drafter.safetensors`` if present, else the
+    checkpoint's own ``mtp.*`` tensors; ``None`` when it has neither."""
+    cfg = cfg if cfg is not None else read_hf_config(path)
+    file = Path(path) / DRAFTER_FILE
+    with open_checkpoint(file if file.is_file() else path) as reader:
+        return drafter_tensors_to_tree(cfg, reader, dtype, source=str(file if file.is_file() else path))

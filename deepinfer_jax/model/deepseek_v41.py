@@ -53,10 +53,16 @@ class Block(nnx.Module):
                           getattr(self, f"hc_{site}_scale")[...], iters=self.iters, hc_eps=self.hc_eps,
                           norm_eps=self.eps)
 
-    def __call__(self, streams, pre, state: GlobalState, engram_rows=None):
-        """streams [B, T, n, d], pre [B, T, n] (fp32) -> (streams, pre, state)."""
+    def __call__(self, streams, pre, state: GlobalState, engram_rows=None, taps: list | None = None):
+        """streams [B, T, n, d], pre [B, T, n] (fp32) -> (streams, pre, state).
+
+        ``taps``: when given, the streams entering the attention site (after Engram) are appended
+        as their mean over the n streams, [B, T, d] (the DSpark target feature, model.md §4.9).
+        """
         if self.engram_index is not None:
             streams = self.engram(streams, engram_rows[:, :, self.engram_index])
+        if taps is not None:
+            taps.append(jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype))
         attn_mix = self.mix("attn", streams)
         out, state = self.attn(self.attn_norm(mhc.collapse(streams, pre)), state)
         streams = mhc.expand(out, streams, attn_mix)
@@ -85,8 +91,12 @@ class DeepseekV41(nnx.Module):
         return ngram_hash_ids(token_ids_BT, self.engram_token_map[...], hash_constants(cfg),
                               max_ngram=cfg.engram_max_ngram_size, pad_token_id=cfg.engram_pad_token_id)
 
-    def __call__(self, token_ids_BT: jax.Array) -> jax.Array:
-        """Logits [B, T, V] in fp32 for every position of sequences that start at position 0."""
+    def __call__(self, token_ids_BT: jax.Array, capture: tuple[int, ...] = ()):
+        """Logits [B, T, V] in fp32 for every position of sequences that start at position 0.
+
+        With ``capture`` (layer ids), returns ``(logits, features [B, T, len(capture) * d])``: the
+        concatenated stream means entering those layers' attention sites (DSpark target features).
+        """
         cfg = self.cfg
         x = self.embed(token_ids_BT)
         b, t = token_ids_BT.shape
@@ -94,10 +104,12 @@ class DeepseekV41(nnx.Module):
         pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         rows = self.engram_rows(token_ids_BT)
         state = GlobalState()
-        for block in self.layers:
-            streams, pre, state = block(streams, pre, state, rows)
+        taps: list = []
+        for i, block in enumerate(self.layers):
+            streams, pre, state = block(streams, pre, state, rows, taps if i in capture else None)
         h = self.norm(mhc.collapse(streams, pre))
-        return matmul_t(h.astype(jnp.float32), self.head.weight[...].astype(jnp.float32))
+        logits = matmul_t(h.astype(jnp.float32), self.head.weight[...].astype(jnp.float32))
+        return (logits, jnp.concatenate(taps, axis=-1)) if capture else logits
 
 
 @functools.lru_cache(maxsize=32)
@@ -123,16 +135,22 @@ def abstract_params(cfg) -> nnx.State:
     return state
 
 
-def forward_full(params: nnx.State, cfg, token_ids: jax.Array) -> jax.Array:
+def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[int, ...] = ()):
     """Pure full-sequence forward: ``token_ids`` [B, T] int -> logits [B, T, V] fp32.
 
-    ``cfg`` must be passed as a static argument under ``jax.jit``. Concrete (non-traced) inputs
+    ``cfg`` (and ``capture``) must be static arguments under ``jax.jit``. Concrete (non-traced) inputs
     are validated: a 2-D integer array with every id in ``[0, vocab_size)``, else ``ValueError``.
+    ``capture`` (backbone layer ids, e.g. ``cfg.dspark_target_layer_ids``): also return the DSpark
+    target features, ``(logits, features [B, T, len(capture) * hidden])``.
     """
     if not isinstance(token_ids, jax.core.Tracer):
         _check_token_ids(np.asarray(token_ids), cfg.vocab_size)
+    capture = tuple(int(i) for i in capture)
+    if any(not 0 <= i < cfg.num_hidden_layers for i in capture) or list(capture) != sorted(set(capture)):
+        raise ValueError(f"capture must be strictly increasing layer ids in [0, {cfg.num_hidden_layers}), "
+                         f"got {capture}")
     model = nnx.merge(_graphdef(cfg), params)
-    return model(jnp.asarray(token_ids, jnp.int32))
+    return model(jnp.asarray(token_ids, jnp.int32), capture)
 
 
 def _check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
