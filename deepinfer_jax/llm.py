@@ -8,6 +8,11 @@
 Keyword settings map 1:1 onto ``EngineConfig`` fields. Start-up loads the weights, compiles every
 step bucket, and (``chunking="cost"``) fits the step-time model, from the disk cache when this
 configuration was profiled on this machine before.
+
+``LLM(..., sharding="cpu-dp2-ep4")`` (a preset name, a preset ``.toml`` path or a ``ShardingPreset``)
+runs over a device mesh: parameters placed by the sharding rules (routed experts over ``ep``), one
+KV cache and scheduler per attention DP rank (``engine.dp_core.DPEngineCore``,
+``runner.dp_runner.DPRunner``); ``EngineConfig.sharding`` says what it needs and refuses.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore, Stor
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_keep_tokens
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.dp_core import DPEngineCore
 from deepinfer_jax.engine.profiling import profile_cost_model
 from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
 from deepinfer_jax.runner import Buckets, ModelRunner
@@ -72,12 +78,20 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine settings {unknown}; see EngineConfig for the fields")
         ec = EngineConfig(**settings)
+        self.sharding_preset = self.mesh = None
+        if ec.sharding is not None:  # a bad preset or too few devices fail here, before anything loads
+            from deepinfer_jax import sharding as sh
+
+            self.sharding_preset = sh.resolve_preset(ec.sharding)
+            self.mesh = sh.make_mesh(self.sharding_preset)
         if params is not None:
             if config is None:
                 raise ValueError("config: pass the ModelConfig together with params")
             cfg, ckpt = config, None
         else:
             cfg, params, ckpt = _load_model(model, dtype)
+        if self.sharding_preset is not None:
+            self.sharding_preset.validate_for(cfg)  # the routed experts divide over the EP ranks
         self.model_config, self.engine_config, self.params = cfg, ec, params
         self.checkpoint_dir = ckpt
         self.tokenizer = load_tokenizer(ckpt)
@@ -107,8 +121,14 @@ class LLM:
                     raise
                 logging.getLogger(__name__).warning("%s; running without a block store", e)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                  decoder_replay=ec.decoder_replay)
+        if self.sharding_preset is None:
+            self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
+                                      decoder_replay=ec.decoder_replay)
+        else:  # one cache per DP rank (cache_cfg is one rank's), one step for all ranks
+            from deepinfer_jax.runner.dp_runner import DPRunner
+
+            self.runner = DPRunner(cfg, params, cache_cfg, self.mesh, self.sharding_preset, buckets,
+                                   num_top_logprobs=ec.max_logprobs)
         with tqdm(desc="compiling step buckets", disable=not use_tqdm) as bar:
             def tick(i, n):
                 bar.total = n
@@ -116,19 +136,24 @@ class LLM:
             self.runner.precompile(sampling=True, progress=tick)
         self.compile_s = time.perf_counter() - t0
         cost_model = self._cost_model(use_tqdm) if ec.chunking == "cost" else None
-        scheduler = Scheduler(num_blocks=cache_cfg.num_blocks, block_size=bs, max_blocks_per_request=mbpr,
-                              max_num_seqs=ec.max_num_seqs, max_model_len=max_len,
-                              max_num_batched_tokens=ec.max_num_batched_tokens, chunking=ec.chunking,
-                              cost_model=cost_model, step_budget_ns=ec.step_budget_ns, prefix_extra=extra,
-                              ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
-                              encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
-                              host_store=host_store, file_store=file_store,
-                              decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None)
-        structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
-                                       overlap=ec.structured_output_overlap)
-        self.engine = EngineCore(self.runner, scheduler, tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id,
-                                 seed=ec.seed, async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
-                                 structured=structured)
+        make_scheduler = lambda: Scheduler(
+            num_blocks=cache_cfg.num_blocks, block_size=bs, max_blocks_per_request=mbpr, max_num_seqs=ec.max_num_seqs,
+            max_model_len=max_len, max_num_batched_tokens=ec.max_num_batched_tokens, chunking=ec.chunking,
+            cost_model=cost_model, step_budget_ns=ec.step_budget_ns, prefix_extra=extra,
+            ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
+            encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
+            host_store=host_store, file_store=file_store,
+            decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None)
+        if self.sharding_preset is not None:  # one scheduling domain per DP rank
+            self.engine = DPEngineCore(self.runner, [make_scheduler() for _ in range(self.sharding_preset.dp_size)],
+                                       tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
+                                       async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
+        else:
+            structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
+                                           overlap=ec.structured_output_overlap)
+            self.engine = EngineCore(self.runner, make_scheduler(), tokenizer=self.tokenizer,
+                                     eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
+                                     max_logprobs=ec.max_logprobs, structured=structured)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""
@@ -267,4 +292,11 @@ class LLM:
                 "preemptions": s.preemptions, "host_s": s.host_s, "wait_s": s.wait_s, "device_s": s.device_s,
                 "compile_s": self.compile_s,
                 "cost_model_error": None if cm is None else cm.mean_relative_error,
-                "cost_model_coef_ns": None if cm is None else cm.coef.tolist()}
+                "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
+                **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {})}
+
+    def _dp_stats(self) -> dict:
+        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding."""
+        e = self.engine
+        return {"dp_rank_requests": list(e.rank_requests), "dp_rank_tokens": list(e.rank_tokens),
+                "dp_rank_idle_steps": list(e.rank_idle_steps)}

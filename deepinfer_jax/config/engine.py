@@ -49,6 +49,12 @@ def _sizes(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {value!r}")
 
 
+def _is_preset(value: Any) -> bool:
+    from deepinfer_jax.sharding import ShardingPreset  # imports jax: only reached for a non-path value
+
+    return isinstance(value, ShardingPreset)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Fields:
@@ -84,6 +90,13 @@ class EngineConfig:
         block_store: a directory for the file-system block store shared by engines and restarts
             (local disk or a shared mount); None = none. block_store_fallback: when that directory
             is not usable, log and run without it instead of failing at start-up.
+        sharding: run over a device mesh with attention data parallel and expert parallel
+            (engine.md §4): a preset name (``deepinfer_jax/config/sharding/*.toml``, e.g.
+            ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``sharding.ShardingPreset``; None =
+            one device. Each DP rank is then its own scheduling domain: ``max_num_seqs``,
+            ``num_blocks`` and ``max_num_batched_tokens`` are per rank. Needs
+            ``enable_prefix_caching=False`` and ``chunking="tokens"``, and refuses ``decoder_replay``
+            and structured output (not supported with DP yet).
     """
 
     max_num_seqs: int = 8
@@ -113,6 +126,7 @@ class EngineConfig:
     host_store_bytes: int = 1 << 30
     block_store: str | None = None
     block_store_fallback: bool = False
+    sharding: Any = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
@@ -147,8 +161,22 @@ class EngineConfig:
             raise ValueError(f"token_buckets must reach max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.request_buckets and self.request_buckets[-1] < self.max_num_seqs:
             raise ValueError(f"request_buckets must reach max_num_seqs ({self.max_num_seqs})")
+        self._check_sharding()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
+
+    def _check_sharding(self) -> None:
+        if self.sharding is None:
+            return
+        if not (isinstance(self.sharding, (str, os.PathLike)) or _is_preset(self.sharding)):
+            raise ValueError(f"sharding must be a preset name, a .toml path, a ShardingPreset or None, "
+                             f"got {self.sharding!r}")
+        for name, bad, want in (("enable_prefix_caching", self.enable_prefix_caching, "False"),
+                                ("chunking", self.chunking != "tokens", "'tokens'"),
+                                ("decoder_replay", self.decoder_replay, "False")):
+            if bad:
+                raise ValueError(f"{name} must be {want} with sharding (not supported with attention data "
+                                 f"parallel yet), got {getattr(self, name)!r}")
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

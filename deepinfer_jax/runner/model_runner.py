@@ -18,7 +18,7 @@ counts compilations so tests can assert that a long mixed run never recompiles.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -28,61 +28,17 @@ from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs, paged_step
 from deepinfer_jax.model.sampler import SamplingInputs, sample
 from deepinfer_jax.runner.buckets import Buckets
+from deepinfer_jax.runner.step_batch import (
+    ChunkSpec,
+    SampleSpec,
+    StepInputError,
+    build_inputs,
+    logit_rows,
+    sampling_batch,
+    validate_chunks,
+)
 
-
-class StepInputError(ValueError):
-    """A scheduled chunk that the step cannot run; nothing was written."""
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One request's part of a step.
-
-    slot: the request's ring/state slot (0 <= slot < max_requests); block_table: its block ids in
-    order (covering at least ``ctx_len + len(token_ids)`` tokens); ctx_len: tokens already in the
-    cache; token_ids: the new tokens (positions ctx_len ...); logits: offsets within token_ids whose
-    logits are wanted (default: the last one; ``execute`` only). For ``launch``: ``sample`` (None =
-    this chunk samples nothing, e.g. a prefill chunk short of the prompt's end) samples one token
-    from the chunk's last position; ``feed_last`` replaces ``token_ids[0]`` by the token the slot
-    sampled last, still on the device. ``window_floor`` / ``global_write_from``: bounded replay
-    (``model.paged``): windows truncated below the floor; no block KV written below the second.
-    ``decoder_from`` / ``decoder_floor``: decoder bounded replay (runners built with
-    ``decoder_replay``): only tokens at or past ``decoder_from`` run the decoder layers, whose windows
-    see nothing below ``decoder_floor``.
-    """
-
-    slot: int
-    block_table: Sequence[int]
-    ctx_len: int
-    token_ids: Sequence[int]
-    logits: Sequence[int] | None = None
-    sample: SampleSpec | None = None
-    feed_last: bool = False
-    window_floor: int = 0
-    global_write_from: int = 0
-    decoder_from: int = 0
-    decoder_floor: int = 0
-    offsets: tuple[int, ...] = field(init=False)
-
-    def __post_init__(self):
-        wanted = (len(self.token_ids) - 1,) if self.logits is None else tuple(int(i) for i in self.logits)
-        object.__setattr__(self, "offsets", wanted)
-
-
-@dataclass(frozen=True)
-class SampleSpec:
-    """How a chunk samples its next token (validated by ``engine.SamplingParams``).
-
-    ``stream`` and ``position`` with ``seed`` make the token's PRNG key (``model.sampler.row_key``).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    stream: int = 0
-    position: int = 0
+__all__ = ["ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "StepInputError"]
 
 
 _TRACES = [0]
@@ -155,14 +111,15 @@ class PendingStep:
     """A launched step; ``result()`` waits for the device and returns, per chunk in launch order,
     ``(token_id, logprob, top_ids, top_logprobs)`` or None for chunks that sampled nothing."""
 
-    def __init__(self, sampled, chunks: Sequence[ChunkSpec]):
+    def __init__(self, sampled, chunks: Sequence[ChunkSpec], rows: Sequence[int] | None = None):
         self._sampled, self._chunks, self._result = sampled, chunks, None
+        self._rows = range(len(chunks)) if rows is None else rows  # chunk i's row of the sampled arrays
 
     def result(self) -> list[tuple[int, float, np.ndarray, np.ndarray] | None]:
         if self._result is None:
             ids, lp, top_ids, top_lp = (np.asarray(a) for a in self._sampled)
             self._result = [(int(ids[i]), float(lp[i]), top_ids[i], top_lp[i]) if c.sample is not None else None
-                            for i, c in enumerate(self._chunks)]
+                            for i, c in zip(self._rows, self._chunks)]
             self._sampled = None
         return self._result
 
@@ -324,26 +281,10 @@ class ModelRunner:
 
     def _forward(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int, d: int | None = None) -> Forward:
         inputs = self._inputs(chunks, n, r, b)
-        # one logit row per request row: its chunk's last token
-        rows = np.array([inputs.req_start[i] + len(c.token_ids) - 1 for i, c in enumerate(chunks)] + [0] * (r - len(chunks)),
-                        np.int32)
+        rows = logit_rows(chunks, inputs, r)  # one logit row per request row: its chunk's last token
         if self.decoder_replay:
             inputs, rows = self._decoder_rows(chunks, inputs, rows, d)
-        feed = np.zeros(n, bool)
-        specs = [c.sample or SampleSpec() for c in chunks] + [SampleSpec()] * (r - len(chunks))
-        sample_slot = np.full(r, self.cache_cfg.max_requests, np.int32)
-        for i, c in enumerate(chunks):
-            feed[inputs.req_start[i]] = c.feed_last
-            if c.sample is not None:
-                sample_slot[i] = c.slot
-        sampling = SamplingInputs(
-            temperature=np.array([s.temperature for s in specs], np.float32),
-            top_k=np.array([s.top_k for s in specs], np.int32),
-            top_p=np.array([s.top_p for s in specs], np.float32),
-            min_p=np.array([s.min_p for s in specs], np.float32),
-            seed=np.array([s.seed for s in specs], np.uint32),
-            stream=np.array([s.stream for s in specs], np.uint32),
-            position=np.array([s.position for s in specs], np.int32))
+        feed, sampling, sample_slot = sampling_batch(chunks, inputs, n, r, self.cache_cfg.max_requests)
         logits, self.cache = self._forward_fn(self.params, self.cfg, self.cache_cfg, self.cache, self.last_ids, feed,
                                               inputs._replace(logit_rows=rows))
         return Forward(logits, sampling, sample_slot, list(chunks), r)
@@ -371,67 +312,7 @@ class ModelRunner:
         return np.asarray(logits)
 
     def _validate(self, chunks: Sequence[ChunkSpec]) -> tuple[int, int, int]:
-        cc, bs = self.cache_cfg, self.cache_cfg.block_size
-        if not chunks:
-            raise StepInputError("a step needs at least one chunk")
-        try:
-            n = Buckets.pick(self.buckets.tokens, sum(len(c.token_ids) for c in chunks), "tokens in the step")
-            r = Buckets.pick(self.buckets.requests, len(chunks), "requests in the step")
-            b = Buckets.pick(self.buckets.blocks, max(len(c.block_table) for c in chunks), "block_table length")
-            Buckets.pick(self.buckets.tokens, sum(len(c.offsets) for c in chunks), "logit rows in the step")
-        except ValueError as e:
-            raise StepInputError(str(e)) from None
-        seen = set()
-        for i, c in enumerate(chunks):
-            where = f"chunk {i} (slot {c.slot})"
-            if not 0 <= c.slot < cc.max_requests:
-                raise StepInputError(f"{where}: slot must lie in [0, {cc.max_requests})")
-            if c.slot in seen:
-                raise StepInputError(f"{where}: the slot appears twice in one step")
-            seen.add(c.slot)
-            if len(c.token_ids) == 0:
-                raise StepInputError(f"{where}: token_ids is empty")
-            if c.ctx_len < 0:
-                raise StepInputError(f"{where}: ctx_len must be >= 0")
-            if len(c.block_table) == 0:
-                raise StepInputError(f"{where}: the request has no blocks")
-            end = c.ctx_len + len(c.token_ids)
-            if end > len(c.block_table) * bs:
-                raise StepInputError(f"{where}: position {end - 1} lies beyond its {len(c.block_table)} allocated "
-                                     f"blocks ({len(c.block_table) * bs} tokens)")
-            if any(not 0 <= blk < cc.num_blocks for blk in c.block_table):
-                raise StepInputError(f"{where}: block_table entries must lie in [0, {cc.num_blocks})")
-            ids = np.asarray(c.token_ids)
-            if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-                raise StepInputError(f"{where}: token_ids must lie in [0, {self.cfg.vocab_size})")
-            if not 0 <= c.window_floor <= c.ctx_len or c.global_write_from < 0:
-                raise StepInputError(f"{where}: window_floor must lie in [0, ctx_len], global_write_from >= 0")
-            if any(not 0 <= o < len(c.token_ids) for o in c.offsets):
-                raise StepInputError(f"{where}: logits offsets must lie in [0, {len(c.token_ids)})")
-        return n, r, b
+        return validate_chunks(chunks, self.cfg, self.cache_cfg, self.buckets)
 
     def _inputs(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int) -> StepInputs:
-        cc = self.cache_cfg
-        tok, pos, req = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
-        valid = np.zeros(n, bool)
-        tables = np.full((r, b), -1, np.int32)
-        slot = np.full(r, cc.max_requests, np.int32)  # out of range: padding rows write nothing
-        start, ctx, new = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
-        rows = np.zeros(n, np.int32)
-        floor, write_from = np.zeros(r, np.int32), np.zeros(r, np.int32)
-        at = m = 0
-        for i, c in enumerate(chunks):
-            k = len(c.token_ids)
-            tok[at : at + k] = c.token_ids
-            pos[at : at + k] = np.arange(c.ctx_len, c.ctx_len + k)
-            req[at : at + k] = i
-            valid[at : at + k] = True
-            tables[i, : len(c.block_table)] = c.block_table
-            slot[i], start[i], ctx[i], new[i] = c.slot, at, c.ctx_len, c.ctx_len + k
-            floor[i], write_from[i] = c.window_floor, c.global_write_from
-            rows[m : m + len(c.offsets)] = [at + o for o in c.offsets]
-            at += k
-            m += len(c.offsets)
-        return StepInputs(token_ids=tok, positions=pos, token_req=req, token_valid=valid, block_tables=tables,
-                          req_slot=slot, req_start=start, ctx_len=ctx, new_len=new, logit_rows=rows,
-                          window_floor=floor, global_write_from=write_from)
+        return build_inputs(chunks, n, r, b, self.cache_cfg.max_requests)

@@ -1,0 +1,201 @@
+"""DPRunner: one jitted model step for every attention data-parallel rank of a device mesh (engine.md §4).
+
+Each DP rank is its own scheduling domain with its own KV cache: ``cache_cfg`` describes one rank's
+cache (its slots and block pool), and the runner keeps ``dp`` of them stacked along a leading axis
+placed on the mesh's DP axes, so rank d's cache lives on the devices of mesh row d (replicated over
+that row's EP devices). A step takes one chunk list per rank (``ChunkSpec``s with rank-local slots
+and block ids), pads every rank to one common bucket shape (an idle rank is all padding, which
+writes nothing), stacks the ranks' ``StepInputs`` along ``dp`` and runs ``jax.vmap`` of the engine's
+model step (``model_runner._forward_step``) over that axis in one jit whose inputs and outputs are
+split over the DP axes. The parameters are placed by the sharding rules (``sharding.shard_params``:
+routed experts over ``ep``, the rest replicated). Along the DP mesh axes that no parameter is split
+over, the step runs as one program per rank (``shard_map`` with those axes manual), so a rank's
+attention stays on its devices with no collective; the other axes (``ep``) are left to GSPMD, which
+splits the experts' matmuls and sums them with an all-reduce. (Measured: with GSPMD alone along
+``dp`` too, it gathers the batched ``top_k`` inputs of every rank to every device.) All ranks step
+together, as the EP collectives require.
+
+Sampling is one program over the ``dp x rows`` logits (``model_runner._sample_rows``); the sampled
+ids stay on the device in a ``[dp, slots]`` buffer and feed the next step by rank and slot
+(``ChunkSpec.feed_last``), as in ``ModelRunner``.
+
+Not supported here (yet): the logits-only ``execute``, structured-output token masks, prefix-cache block
+and window copies, decoder bounded replay. Single process: host inputs are placed with ``jit`` shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from deepinfer_jax import sharding as sh
+from deepinfer_jax.model.kv_cache import init_cache
+from deepinfer_jax.model.sampler import SamplingInputs
+from deepinfer_jax.runner.buckets import Buckets
+from deepinfer_jax.runner.model_runner import _TRACES, PendingStep, _forward_step, _sample_rows
+from deepinfer_jax.runner.step_batch import (
+    ChunkSpec,
+    StepInputError,
+    build_inputs,
+    check_chunks,
+    logit_rows,
+    pick_shape,
+    sampling_batch,
+)
+
+__all__ = ["DPForward", "DPRunner"]
+
+
+def _dp_forward(cfg, cache_cfg, params, cache, last_ids, feed, inputs):
+    """The engine's model step on every rank: cache leaves [dp, ...], last_ids [dp, slots], feed [dp, N],
+    inputs leaves [dp, ...] -> (logits [dp, R, V] f32, the new cache)."""
+    step = lambda c, last, f, inp: _forward_step(params, cfg, cache_cfg, c, last, f, inp)
+    return jax.vmap(step)(cache, last_ids, feed, inputs)
+
+
+def _dp_sample(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot):
+    """Sample every rank's rows at once: logits [dp, R, V] -> rows [dp * R]; ``sample_slot`` [dp * R] indexes
+    the flattened ``last_ids`` [dp, slots] (rank * slots + slot; dp * slots = none)."""
+    dp, rows, vocab = logits.shape
+    out, flat = _sample_rows(num_top, logits.reshape(dp * rows, vocab), mask, has_mask, sampling,
+                             last_ids.reshape(-1), sample_slot)
+    return out, flat.reshape(last_ids.shape)
+
+
+def _manual_axes(preset, param_sh) -> tuple[str, ...]:
+    """The DP mesh axes that no parameter is split over: the step runs as one program per rank along them."""
+    used = set()
+    for s in jax.tree.leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding)):
+        for part in s.spec:
+            used |= set(part) if isinstance(part, tuple) else {part} if part is not None else set()
+    return tuple(a for a in preset.dp_axes if a not in used)
+
+
+def _per_rank(fn, mesh: Mesh, manual: tuple[str, ...]):
+    """``fn`` (params, then four arrays with a leading dp axis) as one program per rank along the ``manual`` mesh
+    axes (``shard_map``; the other axes, e.g. ``ep``, stay with GSPMD). Without it GSPMD cannot split some
+    batched ops (``top_k``) along dp and gathers their inputs to every device."""
+    if not manual or not hasattr(jax, "shard_map"):  # GSPMD alone (still correct)
+        return fn
+    dp = PartitionSpec(manual)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(PartitionSpec(), dp, dp, dp, dp), out_specs=(dp, dp),
+                         axis_names=set(manual), check_vma=False)
+
+
+def _stacked_cache(cfg, cache_cfg, dp: int):
+    """``init_cache`` repeated ``dp`` times along a new leading axis."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a[None], (dp, *a.shape)), init_cache(cfg, cache_cfg))
+
+
+@dataclass
+class DPForward:
+    """A dispatched DP model step whose sampling is still to dispatch; the logits rows are rank-major
+    (rank d's request row k is row ``d * rows_per_rank + k``), ``chunk_rows[i]`` is chunk i's row."""
+
+    logits: jax.Array  # [dp, rows_per_rank, vocab] f32, on the devices
+    sampling: SamplingInputs  # [dp * rows_per_rank]
+    sample_slot: np.ndarray  # [dp * rows_per_rank] flat slot (rank * slots + slot)
+    chunks: list  # every rank's chunks, rank by rank
+    chunk_rows: list[int]
+    rows: int  # dp * the request bucket (the sampling program's rows)
+
+
+class DPRunner:
+    """Owns the stacked per-rank caches and the compiled DP step for one model, mesh and cache layout."""
+
+    def __init__(self, cfg, params, cache_cfg, mesh: Mesh, preset: str | sh.ShardingPreset,
+                 buckets: Buckets | None = None, num_top_logprobs: int = 5):
+        cache_cfg.validate_for(cfg)
+        preset = sh.resolve_preset(preset)
+        preset.validate_for(cfg)
+        self.cfg, self.cache_cfg, self.mesh, self.preset = cfg, cache_cfg, mesh, preset
+        self.dp_size = preset.dp_size
+        self.buckets = buckets or Buckets()
+        if self.buckets.blocks[-1] > cache_cfg.max_blocks_per_request:
+            raise ValueError("Buckets.blocks exceeds CacheConfig.max_blocks_per_request")
+        if not isinstance(num_top_logprobs, int) or num_top_logprobs < 1:
+            raise ValueError(f"num_top_logprobs must be an int >= 1, got {num_top_logprobs!r}")
+        self.num_top_logprobs = num_top_logprobs
+        self.mask_words = (cfg.vocab_size + 31) // 32
+        dp = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
+        param_sh = sh.param_shardings(params, mesh, preset)
+        self.params = sh.shard_params(params, mesh, preset)
+        self.cache = jax.jit(functools.partial(_stacked_cache, cfg, cache_cfg, self.dp_size), out_shardings=dp)()
+        self.last_ids = jax.jit(lambda: jnp.zeros((self.dp_size, cache_cfg.max_requests), jnp.int32),
+                                out_shardings=dp)()
+        self.manual_axes = _manual_axes(preset, param_sh)
+        step = _per_rank(functools.partial(_dp_forward, cfg, cache_cfg), mesh, self.manual_axes)
+        self._forward_fn = jax.jit(step, donate_argnums=(1,), in_shardings=(param_sh, dp, dp, dp, dp),
+                                   out_shardings=(dp, dp))
+        self._sample_fn = jax.jit(_dp_sample, static_argnums=(0,), out_shardings=(None, dp))
+        self._no_mask: dict[int, jax.Array] = {}
+
+    @property
+    def traces(self) -> int:
+        """How many times a step or sampling program has been traced (compiled) in this process."""
+        return _TRACES[0]
+
+    def precompile(self, sampling: bool = True, progress=None) -> None:
+        """Compile the engine step (model step + sampling) of every bucket with all-padding inputs (they
+        write nothing). ``sampling`` is accepted for ``ModelRunner`` compatibility: this runner has only
+        the engine step. ``progress(i, total)`` is called per bucket."""
+        shapes = self.buckets.shapes()
+        for i, shape in enumerate(shapes):
+            self.sample(self._forward([[]] * self.dp_size, *shape)).result()
+            if progress is not None:
+                progress(i + 1, len(shapes))
+
+    def launch(self, chunks_by_rank: Sequence[Sequence[ChunkSpec]]) -> PendingStep:
+        """Validate, then dispatch one step of every rank without waiting; ``result()`` lists the chunks
+        rank by rank."""
+        return self.sample(self.forward(chunks_by_rank))
+
+    def forward(self, chunks_by_rank: Sequence[Sequence[ChunkSpec]]) -> DPForward:
+        """Validate (``StepInputError`` naming the rank and chunk) and dispatch the model step of every rank;
+        ``chunks_by_rank`` has one list per DP rank (empty = the rank idles)."""
+        if len(chunks_by_rank) != self.dp_size:
+            raise StepInputError(f"chunks_by_rank: one chunk list per DP rank ({self.dp_size}), got {len(chunks_by_rank)}")
+        if not any(chunks_by_rank):
+            raise StepInputError("a step needs at least one chunk")
+        shape = pick_shape(self.buckets, chunks_by_rank)
+        for d, chunks in enumerate(chunks_by_rank):
+            try:
+                check_chunks(chunks, self.cfg, self.cache_cfg)
+            except StepInputError as e:
+                raise StepInputError(f"rank {d}: {e}") from None
+        return self._forward(chunks_by_rank, *shape)
+
+    def sample(self, fwd: DPForward, mask: np.ndarray | None = None) -> PendingStep:
+        """Dispatch the sampling of a ``forward`` step. Token masks (structured output) are not supported."""
+        if mask is not None:
+            raise StepInputError("mask: structured-output token masks are not supported with attention data parallel")
+        if fwd.rows not in self._no_mask:
+            self._no_mask[fwd.rows] = jnp.full((fwd.rows, self.mask_words), -1, jnp.int32)
+        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, self._no_mask[fwd.rows], np.False_,
+                                             fwd.sampling, self.last_ids, fwd.sample_slot)
+        return PendingStep(out, fwd.chunks, fwd.chunk_rows)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _forward(self, chunks_by_rank: Sequence[Sequence[ChunkSpec]], n: int, r: int, b: int) -> DPForward:
+        slots = self.cache_cfg.max_requests
+        inputs, feeds, samplings, sample_slots = [], [], [], []
+        for d, chunks in enumerate(chunks_by_rank):
+            inp = build_inputs(chunks, n, r, b, slots)
+            feed, sampling, sample_slot = sampling_batch(chunks, inp, n, r, slots)
+            inputs.append(inp._replace(logit_rows=logit_rows(chunks, inp, r)))
+            feeds.append(feed)
+            samplings.append(sampling)
+            sample_slots.append(np.where(sample_slot < slots, sample_slot + d * slots, self.dp_size * slots))
+        stacked = jax.tree.map(lambda *a: np.stack(a), *inputs)
+        logits, self.cache = self._forward_fn(self.params, self.cache, self.last_ids, np.stack(feeds), stacked)
+        chunks = [c for cs in chunks_by_rank for c in cs]
+        chunk_rows = [d * r + k for d, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
+        sampling = jax.tree.map(lambda *a: np.concatenate(a), *samplings)
+        return DPForward(logits, sampling, np.concatenate(sample_slots).astype(np.int32), chunks, chunk_rows,
+                         self.dp_size * r)

@@ -1,0 +1,125 @@
+"""The attention data-parallel engine (``LLM(..., sharding=...)``) against the one-device engine on 8 fake CPU devices.
+
+Run from the repository root with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``:
+``python tests/sharded/dp_engine_check.py PRESET [PRESET ...]``. Generates the same mixed batch
+(greedy, seeded and engine-seeded sampling, prompts of 3-40 tokens, more requests than DP ranks)
+with the one-device ``LLM`` and with each preset, and prints one JSON line per preset: whether every
+output's token ids and finish reasons are equal, the largest logprob difference, how the router spread
+the requests over the ranks, per-rank tokens and idle steps, and whether anything recompiled after
+start-up. Then one JSON line per bad preset (the ``ShardingError`` field and message) and ``{"check": "done"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from shard_common import model_and_inputs
+
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.runner import ChunkSpec, StepInputError
+from deepinfer_jax.sharding import ShardingError, ShardingPreset
+
+#: Per-rank engine settings; one bucket of each kind keeps compile time down.
+SETTINGS = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "token_buckets": (32,), "request_buckets": (4,),
+            "block_size": 16, "max_model_len": 64, "chunking": "tokens", "enable_prefix_caching": False,
+            "max_logprobs": 2, "use_tqdm": False}
+NUM_REQUESTS = 11
+
+
+def workload(vocab: int):
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": rng.integers(3, vocab, int(n)).tolist()}
+               for n in rng.integers(3, 41, NUM_REQUESTS)]
+    params = []
+    for i in range(NUM_REQUESTS):
+        n = int(rng.integers(3, 11))
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=n, ignore_eos=True))
+        else:  # the engine's seed and the request's number make the key
+            params.append(SamplingParams(temperature=1.0, top_k=50, max_tokens=n, ignore_eos=True, logprobs=1))
+    return prompts, params
+
+
+def summary(outs) -> list[dict]:
+    return [{"ids": o.outputs[0].token_ids, "reason": o.outputs[0].finish_reason,
+             "lp": [t.logprob for t in o.outputs[0].logprobs or []]} for o in outs]
+
+
+def compare(want: list[dict], got: list[dict]) -> dict:
+    lp = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w["lp"], g["lp"])]
+    return {"ids_equal": all(w["ids"] == g["ids"] for w, g in zip(want, got)),
+            "reasons_equal": all(w["reason"] == g["reason"] for w, g in zip(want, got)),
+            "num_tokens": sum(len(g["ids"]) for g in got), "max_logprob_diff": max(lp, default=0.0),
+            "num_logprobs": len(lp)}
+
+
+def runner_errors(runner) -> dict:
+    """``DPRunner.forward``'s messages for a wrong rank count, a step with no chunk, a bad slot on the last rank
+    (all raised before anything is dispatched)."""
+    dp, slots = runner.dp_size, runner.cache_cfg.max_requests
+    bad_slot = [[] for _ in range(dp)]
+    bad_slot[-1] = [ChunkSpec(slot=slots, block_table=[0], ctx_len=0, token_ids=[1])]
+    out = {}
+    for what, arg in (("ranks", [[]] * (dp + 1)), ("empty", [[]] * dp), ("slot", bad_slot)):
+        try:
+            runner.forward(arg)
+            out[what] = None
+        except StepInputError as e:
+            out[what] = str(e)
+    return out
+
+
+def main(presets: list[str]) -> None:
+    assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.device_count()}"
+    cfg, params, _ = model_and_inputs()
+    prompts, sps = workload(cfg.vocab_size)
+    start = time.perf_counter()
+    ref = LLM(config=cfg, params=params, **SETTINGS)
+    want = summary(ref.generate(prompts, sps, use_tqdm=False))
+    # a second batch: requests without a seed now have numbers 11..21, so their tokens differ from the first
+    want_again = summary(ref.generate(prompts, sps, use_tqdm=False))
+    print(json.dumps({"check": "reference", "seconds": round(time.perf_counter() - start, 2),
+                      "num_tokens": sum(len(w["ids"]) for w in want),
+                      "second_batch_differs": want != want_again}), flush=True)
+    for name in presets:
+        start = time.perf_counter()
+        llm = LLM(config=cfg, params=params, sharding=name, **SETTINGS)
+        traces = llm.runner.traces
+        got = summary(llm.generate(prompts, sps, use_tqdm=False))
+        row = {"check": name, **compare(want, got), "rank_requests": list(llm.engine.rank_requests),
+               "unfinished": llm.engine.has_unfinished}
+        llm.engine.async_scheduling = False  # the synchronous loop on the same engine, the second batch
+        sync = compare(want_again, summary(llm.generate(prompts, sps, use_tqdm=False)))
+        stats = llm.stats
+        w1 = llm.runner.params["layers"][0]["ffn"]["experts"]["w1"][...]
+        leaf = jax.tree.leaves(llm.runner.cache)[0]
+        row.update(sync_ids_equal=sync["ids_equal"], sync_max_logprob_diff=sync["max_logprob_diff"],
+                   recompiled=llm.runner.traces != traces,
+                   dp_size=llm.runner.dp_size, manual_axes=list(llm.runner.manual_axes), rank_tokens=stats["dp_rank_tokens"],
+                   rank_idle_steps=stats["dp_rank_idle_steps"], steps=stats["steps"],
+                   experts_w1_shard=list(w1.addressable_shards[0].data.shape), experts_w1_shape=list(w1.shape),
+                   cache_spec=str(leaf.sharding.spec), cache_shard=list(leaf.addressable_shards[0].data.shape),
+                   cache_shape=list(leaf.shape), seconds=round(time.perf_counter() - start, 2))
+        row["runner_errors"] = runner_errors(llm.runner)
+        print(json.dumps(row), flush=True)
+    bad = {"too_many_devices": ShardingPreset(name="dp2-ep8", axes=("dp", "ep"), shape=(2, 8), dp_size=2, ep_size=8),
+           "experts_not_divisible": ShardingPreset(name="dp1-ep3", axes=("dp", "ep"), shape=(1, 3), dp_size=1,
+                                                   ep_size=3)}
+    for check, preset in bad.items():
+        try:
+            LLM(config=cfg, params=params, sharding=preset, **SETTINGS)
+            row = {"check": check, "error": None}
+        except ShardingError as e:
+            row = {"check": check, "error": type(e).__name__, "field": e.field, "message": str(e)}
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"check": "done"}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

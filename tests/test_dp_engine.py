@@ -1,0 +1,258 @@
+"""Attention data parallel in the engine (issue 7 item 2): the router, the per-rank engine core against a
+fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the one-device engine on 8 fake
+CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1.
+
+The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
+be set before jax starts, and this process keeps its single CPU device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from deepinfer_jax.config import EngineConfig
+from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
+from deepinfer_jax.engine.dp_core import DPEngineCore
+from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = ("cpu-dp2-ep4", "cpu-dp1-ep8", "cpu-dp8-ep1")
+
+
+# ---- the router (no JAX) -------------------------------------------------------------------------
+
+
+def _route_all(lengths, ranks):
+    loads = [RankLoad() for _ in range(ranks)]
+    picks = []
+    for n in lengths:
+        d = pick_rank(loads, n)
+        loads[d] = RankLoad(loads[d].num_requests + 1, loads[d].kv_tokens + n)
+        picks.append(d)
+    return picks, loads
+
+
+def test_router_spreads_equal_requests_over_every_rank():
+    picks, loads = _route_all([100] * 8, 4)
+    assert picks == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert {ld.num_requests for ld in loads} == {2}
+
+
+def test_router_sends_short_requests_to_few_requests_and_long_ones_to_little_kv():
+    # rank 0: more requests, little KV; rank 1: fewer requests, long KV (engine.md §3, the decode balancer)
+    loads = [RankLoad(num_requests=3, kv_tokens=600), RankLoad(num_requests=2, kv_tokens=3000)]
+    assert pick_rank(loads, 10) == 1
+    assert pick_rank(loads, 2000) == 0
+
+
+def test_router_balances_both_request_count_and_kv_better_than_round_robin():
+    for seed in range(4):  # log-normal prompt lengths, as in the offline benchmark
+        rng = np.random.default_rng(seed)
+        lengths = [int(x) for x in np.exp(rng.normal(5, 1.2, 96)).clip(4, 4000)]
+        _, loads = _route_all(lengths, 8)
+        reqs = [ld.num_requests for ld in loads]
+        kv = np.array([ld.kv_tokens for ld in loads], float)
+        round_robin = np.array([sum(lengths[i::8]) for i in range(8)], float)  # 12 requests each
+        assert max(reqs) - min(reqs) <= 2, reqs
+        assert kv.max() / kv.mean() < 1.35 and kv.max() / kv.mean() < round_robin.max() / round_robin.mean() - 0.15
+
+
+def test_router_rejects_bad_input_naming_the_argument():
+    with pytest.raises(ValueError, match="loads"):
+        pick_rank([], 3)
+    with pytest.raises(ValueError, match="num_tokens"):
+        pick_rank([RankLoad()], -1)
+    with pytest.raises(ValueError, match="loads"):
+        pick_rank([RankLoad(-1, 0)], 1)
+
+
+# ---- the engine core over ranks, with a fake runner (no JAX) ---------------------------------------
+
+VOCAB = 97
+
+
+class FakeDPRunner:
+    """Samples ``(previous token + 1) % VOCAB`` per request; keeps the last sampled id per (rank, slot) like the
+    device buffer, so ``feed_last`` chunks work; records every step's per-rank chunk lists."""
+
+    def __init__(self, dp_size: int, slots: int):
+        self.dp_size, self.slots, self.cfg = dp_size, slots, SimpleNamespace(vocab_size=VOCAB)
+        self.last: dict[tuple[int, int], int] = {}
+        self.steps: list[list[list]] = []
+
+    def forward(self, chunks_by_rank):
+        assert len(chunks_by_rank) == self.dp_size and any(chunks_by_rank)
+        self.steps.append(chunks_by_rank)
+        out = []
+        for d, chunks in enumerate(chunks_by_rank):
+            assert len({c.slot for c in chunks}) == len(chunks) and all(0 <= c.slot < self.slots for c in chunks)
+            for c in chunks:
+                prev = self.last[d, c.slot] if c.feed_last else c.token_ids[-1]
+                if c.sample is None:
+                    out.append(None)
+                    continue
+                self.last[d, c.slot] = (prev + 1) % VOCAB
+                out.append((self.last[d, c.slot], -1.0, np.zeros(0, np.int32), np.zeros(0, np.float32)))
+        return out
+
+    def sample(self, fwd, mask=None):
+        return SimpleNamespace(result=lambda: fwd)
+
+
+def _engine(dp=3, slots=2, async_scheduling=True, **sched):
+    kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": slots, "max_model_len": 32,
+          "max_num_batched_tokens": 8, **sched}
+    return DPEngineCore(FakeDPRunner(dp, slots), [Scheduler(**kw) for _ in range(dp)], tokenizer=None,
+                        eos_token_id=VOCAB - 1, async_scheduling=async_scheduling)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_dp_core_runs_every_rank_and_gives_each_request_its_own_tokens(async_scheduling):
+    core = _engine(async_scheduling=async_scheduling)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 50, int(n)).tolist() for n in rng.integers(1, 12, 10)]
+    rids = [core.add_request(p, SamplingParams(temperature=0, max_tokens=3 + i % 4)) for i, p in enumerate(prompts)]
+    assert sorted(core.rank_requests) == [3, 3, 4] and {core.rank_of(r) for r in rids} == {0, 1, 2}
+    done = {}
+    while core.has_unfinished:
+        done.update({o.request_id: o for o in core.step()})
+    for i, (rid, p) in enumerate(zip(rids, prompts)):
+        want = [(p[-1] + k) % VOCAB for k in range(1, 4 + i % 4)]
+        assert done[rid].outputs[0].token_ids == want and done[rid].outputs[0].finish_reason == "length"
+        assert core.rank_of(rid) is None
+    steps = core.runner.steps
+    assert any(not cs for step in steps for cs in step), "no rank ever idled"
+    assert sum(core.rank_tokens) == core.stats.scheduled_tokens and sum(core.rank_idle_steps) > 0
+    assert all(s.pool.free_count == 16 and len(s.free_slots) == 2 for s in core.schedulers)
+
+
+def test_dp_core_preempts_within_a_rank_and_recomputes_the_same_tokens():
+    core = _engine(dp=2, num_blocks=6)  # 24 tokens per rank: two requests of ~18 tokens do not fit together
+    prompts = [list(range(10 + i, 20 + i)) for i in range(6)]
+    rids = [core.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+    done = {}
+    while core.has_unfinished:
+        done.update({o.request_id: o for o in core.step()})
+    assert core.stats.preemptions > 0
+    for rid, p in zip(rids, prompts):
+        assert done[rid].outputs[0].token_ids == [(p[-1] + k) % VOCAB for k in range(1, 9)]
+
+
+def test_dp_core_abort_frees_the_rank_it_ran_on():
+    core = _engine(dp=2)
+    a = core.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    b = core.add_request([4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert {core.rank_of(a), core.rank_of(b)} == {0, 1}
+    core.step()
+    rank = core.rank_of(a)
+    core.abort(a)
+    assert core.requests[a].finish_reason == "abort" and not core.schedulers[rank].running
+    while core.has_unfinished:
+        core.step()
+    assert core.requests[b].output_ids == [6, 7, 8, 9]
+
+
+def test_dp_core_refuses_what_it_does_not_support():
+    core = _engine(dp=2)
+    with pytest.raises(RequestError, match="structured_output"):
+        core.add_request([1, 2], SamplingParams(structured_output={"regex": "a+"}))
+    with pytest.raises(RequestError, match="prompt"):
+        core.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        _engine(dp=2, prefix_extra=b"model")
+    with pytest.raises(ValueError, match="schedulers"):
+        DPEngineCore(FakeDPRunner(2, 2), [], tokenizer=None, eos_token_id=0)
+
+
+# ---- settings (no devices needed) -------------------------------------------------------------------
+
+
+def test_engine_config_refuses_unsupported_settings_with_sharding():
+    ok = {"sharding": "cpu-dp2-ep4", "chunking": "tokens", "enable_prefix_caching": False}
+    assert EngineConfig(**ok).sharding == "cpu-dp2-ep4"
+    for field, value in (("enable_prefix_caching", True), ("chunking", "cost"), ("decoder_replay", True)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{**ok, field: value})
+    with pytest.raises(ValueError, match="sharding"):
+        EngineConfig(**{**ok, "sharding": 8})
+
+
+def test_llm_refuses_a_mesh_larger_than_the_devices_before_loading():
+    from deepinfer_jax import LLM
+    from deepinfer_jax.sharding import ShardingError
+
+    with pytest.raises(ShardingError, match="needs 8 devices") as e:  # this process has one CPU device
+        LLM("tiny", sharding="cpu-dp2-ep4", chunking="tokens", enable_prefix_caching=False, use_tqdm=False)
+    assert e.value.field == "mesh.shape"
+    with pytest.raises(ShardingError, match="unknown preset") as e:
+        LLM("tiny", sharding="no-such-preset", chunking="tokens", enable_prefix_caching=False, use_tqdm=False)
+    assert e.value.field == "sharding"
+
+
+# ---- the sharded engine on 8 fake devices (subprocess) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict[str, dict]:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    script = ROOT / "tests" / "sharded" / "dp_engine_check.py"
+    proc = subprocess.run([sys.executable, str(script), *PRESETS], cwd=ROOT, env=env, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"dp_engine_check failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[row.pop("check")] = row
+    assert "done" in out, proc.stdout
+    return out
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_sharded_engine_equals_the_one_device_engine(checks, preset):
+    ref, row = checks["reference"], checks[preset]
+    assert ref["num_tokens"] > 0 and ref["second_batch_differs"]  # the engine-seeded requests really sample
+    assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == ref["num_tokens"], row
+    assert row["num_logprobs"] > 0 and row["max_logprob_diff"] < 1e-4, row
+    assert row["sync_ids_equal"] and row["sync_max_logprob_diff"] < 1e-4, row  # the synchronous loop too
+    assert not row["recompiled"] and not row["unfinished"], row
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_rank_holds_its_own_cache_and_the_experts_split_over_ep(checks, preset):
+    row = checks[preset]
+    dp = row["dp_size"]
+    ep = 8 // dp
+    assert row["cache_shape"][0] == dp and row["cache_shard"][0] == 1 and row["cache_spec"].startswith("P('dp'")
+    assert row["manual_axes"] == ["dp"]  # one program per rank along dp; ep left to GSPMD
+    assert row["experts_w1_shard"][0] == row["experts_w1_shape"][0] // ep
+    assert sum(row["rank_requests"]) == 11 and len(row["rank_requests"]) == dp and min(row["rank_requests"]) >= 1
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_runner_names_what_is_wrong_with_a_step(checks, preset):
+    row = checks[preset]
+    errors, dp = row["runner_errors"], row["dp_size"]
+    assert f"one chunk list per DP rank ({dp})" in errors["ranks"]
+    assert "at least one chunk" in errors["empty"]
+    assert errors["slot"].startswith(f"rank {dp - 1}: chunk 0 (slot 4): slot must lie in [0, 4)")
+
+
+def test_uneven_ranks_idle_while_others_run(checks):
+    row = checks["cpu-dp8-ep1"]
+    assert sum(row["rank_idle_steps"]) > 0 and len(set(row["rank_tokens"])) > 1, row
+
+
+def test_bad_presets_give_a_clear_error(checks):
+    row = checks["too_many_devices"]
+    assert row["error"] == "ShardingError" and row["field"] == "mesh.shape" and "16 devices" in row["message"]
+    row = checks["experts_not_divisible"]
+    assert row["error"] == "ShardingError" and row["field"] == "parallel.ep_size" and "n_routed_experts 8" in row["message"]
