@@ -35,6 +35,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/structured.py
 	$(PY) benchmarks/eplb.py
 	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/dp_engine.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime
