@@ -130,20 +130,25 @@ class EngineCore:
 
     def add_request(self, prompt_ids, params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, arrival: float | None = None) -> str:
-        ids = self.validate(prompt_ids, params, request_id)
-        number = next(self._numbers)
-        rid = str(number) if request_id is None else request_id
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
-        req = Request(rid, number, prompt, ids, params, detok, arrival)
-        if params.constraint is not None:
-            req.matcher = self.structured.matcher(params.constraint)
-        self.requests[rid] = req
+        req = self._new_request(self.validate(prompt_ids, params, request_id), params, prompt, request_id, arrival)
         self.scheduler.add(req)
         prefix = self.scheduler.prefix
         if self._io is not None and prefix is not None and prefix.files is not None:
             # start reading its blocks from the store while earlier work runs
             self._io_futures.append(self._io.submit(prefix.prefetch, list(prefix.digests(req))))
-        return rid
+        return req.request_id
+
+    def _new_request(self, ids: list[int], params: SamplingParams, prompt: str | None, request_id: str | None,
+                     arrival: float | None) -> Request:
+        """A validated request, numbered and registered (not yet scheduled)."""
+        number = next(self._numbers)
+        rid = str(number) if request_id is None else request_id
+        req = Request(rid, number, prompt, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop_strings),
+                      arrival)
+        if params.constraint is not None:
+            req.matcher = self.structured.matcher(params.constraint)
+        self.requests[rid] = req
+        return req
 
     def flush(self) -> None:
         """Wait for the background block-store writes and prefetches (errors re-raised)."""
@@ -220,6 +225,12 @@ class EngineCore:
             launched.pending = self.runner.sample(fwd, mask)
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
+        return self._close_step(plan, t0, host0, prev, launched, finished)
+
+    def _close_step(self, plan: SchedulerOutput, t0: float, host0: float, prev: _InFlight | None,
+                    launched: _InFlight | None, finished: list[RequestOutput]) -> list[RequestOutput]:
+        """The end of ``step``: counters, then the tokens of the previous step (asynchronous) or of
+        this one (synchronous); the step just launched stays in flight in asynchronous mode."""
         self.stats.preemptions += len(plan.preempted)
         self.stats.schedule_s += time.perf_counter() - t0 - (self.stats.reconcile_s + self.stats.wait_s - host0)
         if prev is not None:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 from deepinfer_jax.engine.core import EngineCore, _InFlight
-from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.engine.request import Request
@@ -82,15 +81,11 @@ class DPEngineCore(EngineCore):
                     request_id: str | None = None, arrival: float | None = None) -> str:
         ids = self.validate(prompt_ids, params, request_id)
         rank = pick_rank(self.loads(), len(ids))
-        number = next(self._numbers)
-        rid = str(number) if request_id is None else request_id
-        req = Request(rid, number, prompt, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop_strings),
-                      arrival)
-        self.requests[rid] = req
-        self._rank[rid] = rank
+        req = self._new_request(ids, params, prompt, request_id, arrival)
+        self._rank[req.request_id] = rank
         self.rank_requests[rank] += 1
         self.schedulers[rank].add(req)
-        return rid
+        return req.request_id
 
     def rank_of(self, request_id: str) -> int | None:
         """The DP rank of an unfinished request (None once it ended)."""
@@ -121,15 +116,7 @@ class DPEngineCore(EngineCore):
             for d, p in enumerate(plans):
                 self.rank_tokens[d] += p.num_tokens
                 self.rank_idle_steps[d] += not p.chunks
-        self.stats.preemptions += len(plan.preempted)
-        self.stats.schedule_s += time.perf_counter() - t0 - (self.stats.reconcile_s + self.stats.wait_s - host0)
-        if prev is not None:
-            finished += self._reconcile(prev)
-        if self.async_scheduling:
-            self._inflight = launched
-        elif launched is not None:
-            finished += self._reconcile(launched)
-        return finished
+        return self._close_step(plan, t0, host0, prev, launched, finished)
 
     def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
         self.schedulers[self._rank.pop(r.request_id)].finish(r, reason, stop_reason)

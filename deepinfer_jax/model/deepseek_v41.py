@@ -178,12 +178,7 @@ def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None,
     expected = nnx.to_pure_dict(state)
     flat_expected = dict(_flatten(expected))
     flat_given = dict(_flatten(pure))
-    problems = [f"missing {k}" for k in flat_expected.keys() - flat_given.keys()]
-    problems += [f"unexpected {k}" for k in flat_given.keys() - flat_expected.keys()]
-    problems += [f"{k}: shape {tuple(np.shape(flat_given[k]))} != {tuple(v.shape)}" for k, v in flat_expected.items()
-                 if k in flat_given and tuple(np.shape(flat_given[k])) != tuple(v.shape)]
-    if problems:
-        raise ValueError("parameter tree does not match the config: " + "; ".join(sorted(problems)))
+    check_tree(flat_expected, flat_given, "parameter tree")
 
     def convert(path, leaf):
         arr = flat_given[path]
@@ -199,6 +194,17 @@ def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None,
 
 _FP32_LEAVES = {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                 "bias", "bias_vl"}
+
+
+def check_tree(flat_expected: Mapping, flat_given: Mapping, what: str) -> None:
+    """One ``ValueError`` naming every missing, unexpected or misshaped leaf of ``flat_given``
+    (dotted paths -> arrays) against ``flat_expected`` (dotted paths -> shaped leaves)."""
+    problems = [f"missing {k}" for k in flat_expected.keys() - flat_given.keys()]
+    problems += [f"unexpected {k}" for k in flat_given.keys() - flat_expected.keys()]
+    problems += [f"{k}: shape {tuple(np.shape(flat_given[k]))} != {tuple(v.shape)}" for k, v in flat_expected.items()
+                 if k in flat_given and tuple(np.shape(flat_given[k])) != tuple(v.shape)]
+    if problems:
+        raise ValueError(f"{what} does not match the config: " + "; ".join(sorted(problems)))
 
 
 def _flatten(tree, prefix=""):

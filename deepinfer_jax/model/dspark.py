@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from deepinfer_jax.model import mhc
 from deepinfer_jax.model.attention import Attention, attend
+from deepinfer_jax.model.deepseek_v41 import _flatten, _unflatten, check_tree
 from deepinfer_jax.model.engram import Table
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
@@ -155,12 +155,7 @@ def drafter_params_from_tree(cfg, tree: Mapping, dtype=jnp.float32) -> nnx.State
     state = abstract_drafter_params(cfg)
     flat_expected = dict(_flatten(nnx.to_pure_dict(state)))
     flat_given = dict(_flatten(tree))
-    problems = [f"missing {k}" for k in flat_expected.keys() - flat_given.keys()]
-    problems += [f"unexpected {k}" for k in flat_given.keys() - flat_expected.keys()]
-    problems += [f"{k}: shape {tuple(np.shape(flat_given[k]))} != {tuple(v.shape)}" for k, v in flat_expected.items()
-                 if k in flat_given and tuple(np.shape(flat_given[k])) != tuple(v.shape)]
-    if problems:
-        raise ValueError("drafter parameter tree does not match the config: " + "; ".join(sorted(problems)))
+    check_tree(flat_expected, flat_given, "drafter parameter tree")
 
     def convert(path, arr):
         fp32 = path.split(".")[-1] in _FP32_LEAVES or path.endswith(("attn_sink", "confidence_head.proj.weight"))
@@ -294,21 +289,3 @@ def draft_from_features(target: nnx.State, drafter: nnx.State, cfg, feats_BTF: j
     return draft_block(drafter, target, cfg, ctx, pos, pos >= 0, jnp.asarray(token_ids_BT)[:, -1], anchor_pos)
 
 
-def _flatten(tree, prefix=""):
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            yield from _flatten(v, key + ".")
-        else:
-            yield key, v
-
-
-def _unflatten(flat: Mapping[str, object]) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        parts = [int(p) if p.isdigit() else p for p in key.split(".")]
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out

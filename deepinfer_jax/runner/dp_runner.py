@@ -44,6 +44,7 @@ from deepinfer_jax.runner.step_batch import (
     StepInputError,
     build_inputs,
     check_chunks,
+    check_runner_settings,
     logit_rows,
     pick_shape,
     sampling_batch,
@@ -117,10 +118,7 @@ class DPRunner:
         self.cfg, self.cache_cfg, self.mesh, self.preset = cfg, cache_cfg, mesh, preset
         self.dp_size = preset.dp_size
         self.buckets = buckets or Buckets()
-        if self.buckets.blocks[-1] > cache_cfg.max_blocks_per_request:
-            raise ValueError("Buckets.blocks exceeds CacheConfig.max_blocks_per_request")
-        if not isinstance(num_top_logprobs, int) or num_top_logprobs < 1:
-            raise ValueError(f"num_top_logprobs must be an int >= 1, got {num_top_logprobs!r}")
+        check_runner_settings(self.buckets, cache_cfg, num_top_logprobs)
         self.num_top_logprobs = num_top_logprobs
         self.mask_words = (cfg.vocab_size + 31) // 32
         dp = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))

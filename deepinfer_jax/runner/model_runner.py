@@ -33,6 +33,7 @@ from deepinfer_jax.runner.step_batch import (
     SampleSpec,
     StepInputError,
     build_inputs,
+    check_runner_settings,
     logit_rows,
     sampling_batch,
     validate_chunks,
@@ -132,10 +133,7 @@ class ModelRunner:
         cache_cfg.validate_for(cfg)
         self.cfg, self.params, self.cache_cfg = cfg, params, cache_cfg
         self.buckets = buckets or Buckets()
-        if self.buckets.blocks[-1] > cache_cfg.max_blocks_per_request:
-            raise ValueError("Buckets.blocks exceeds CacheConfig.max_blocks_per_request")
-        if not isinstance(num_top_logprobs, int) or num_top_logprobs < 1:
-            raise ValueError(f"num_top_logprobs must be an int >= 1, got {num_top_logprobs!r}")
+        check_runner_settings(self.buckets, cache_cfg, num_top_logprobs)
         self.num_top_logprobs = num_top_logprobs
         if decoder_replay and cfg.decoder_start >= cfg.num_hidden_layers - 1:
             raise ValueError("decoder_replay needs a model with decoder layers (a CED split)")

@@ -77,6 +77,14 @@ class SampleSpec:
 
 
 
+def check_runner_settings(buckets: Buckets, cache_cfg, num_top_logprobs) -> None:
+    """The settings a runner refuses: block buckets wider than a request's table, bad ``num_top_logprobs``."""
+    if buckets.blocks[-1] > cache_cfg.max_blocks_per_request:
+        raise ValueError("Buckets.blocks exceeds CacheConfig.max_blocks_per_request")
+    if not isinstance(num_top_logprobs, int) or num_top_logprobs < 1:
+        raise ValueError(f"num_top_logprobs must be an int >= 1, got {num_top_logprobs!r}")
+
+
 def pick_shape(buckets: Buckets, chunk_lists: Sequence[Sequence[ChunkSpec]]) -> tuple[int, int, int]:
     """The smallest (tokens, requests, blocks) bucket that fits every list of chunks (one list per
     batch; a ``DPRunner`` step pads every rank to the same shape). ``StepInputError`` names what does not fit."""
