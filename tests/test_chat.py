@@ -11,7 +11,8 @@ from deepinfer_jax import LLM, recipe
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32, max_model_len=256,
+    # the engine shape of tests/test_structured_model.py: the compiled programs are shared through the cache
+    return LLM(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32, max_model_len=512,
                chunking="tokens", use_tqdm=False)
 
 

@@ -13,7 +13,7 @@ from deepinfer_jax import LLM, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm():  # room for the ~270-token tool prompt of the chat test
+def llm():  # room for the ~270-token tool prompt of the chat test; the same engine shape as tests/test_chat.py
     return LLM(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32, max_model_len=512,
                chunking="tokens", use_tqdm=False)
 
