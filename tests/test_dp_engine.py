@@ -8,22 +8,17 @@ be set before jax starts, and this process keeps its single CPU device.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from sharded import run_checks
 
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
 from deepinfer_jax.engine.dp_core import DPEngineCore
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 
-ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("cpu-dp2-ep4", "cpu-dp1-ep8", "cpu-dp8-ep1")
 
 
@@ -202,18 +197,7 @@ def test_llm_refuses_a_mesh_larger_than_the_devices_before_loading():
 
 @pytest.fixture(scope="module")
 def checks() -> dict[str, dict]:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    script = ROOT / "tests" / "sharded" / "dp_engine_check.py"
-    proc = subprocess.run([sys.executable, str(script), *PRESETS], cwd=ROOT, env=env, check=False,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"dp_engine_check failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[row.pop("check")] = row
-    assert "done" in out, proc.stdout
-    return out
+    return run_checks("dp_engine_check.py", *PRESETS, timeout=600)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

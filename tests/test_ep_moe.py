@@ -7,32 +7,15 @@ jax starts and this process keeps its single CPU device. The script prints one J
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sharded import run_checks
 
-ROOT = Path(__file__).resolve().parent.parent
 TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
 def checks() -> dict[str, dict]:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    script = ROOT / "tests" / "sharded" / "ep_moe_check.py"
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, check=False, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"ep_moe_check failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[row.pop("check")] = row
-    assert "done" in out, proc.stdout
-    return out
+    return run_checks("ep_moe_check.py")
 
 
 def test_ep_moe_equals_dense_moe(checks):

@@ -30,28 +30,37 @@ class Buffer(nnx.Variable):
     """Derived, non-trainable state carried with the parameters (e.g. the Engram token map)."""
 
 
-class Block(nnx.Module):
-    """One layer: optional Engram write, then the attention and FFN sites with single-pass mHC."""
+class HcSites(nnx.Module):
+    """The two mHC sites (``attn``, ``ffn``) of a V4.1 block: their parameters and their mixer."""
 
-    def __init__(self, cfg, layer: int, *, rngs: nnx.Rngs):
+    def init_hc_sites(self, cfg, rngs: nnx.Rngs) -> None:
         n, d, std = cfg.hc_mult, cfg.hidden_size, cfg.initializer_range
         self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        self.engram_index = cfg.engram_index(layer)
-        if self.engram_index is not None:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index], rngs=rngs)
-        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", nnx.Param(jax.random.normal(rngs.params(), (n * (n + 2), n * d)) * std))
             setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((n * (n + 2),), jnp.float32)))
             setattr(self, f"hc_{site}_scale", nnx.Param(jnp.ones((3,), jnp.float32)))
-        self.attn = Attention(cfg, layer, rngs=rngs)
-        self.ffn = MoE(cfg, rngs=rngs)
 
     def mix(self, site: str, streams: jax.Array) -> mhc.Mix:
         return mhc.hc_mix(streams, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_base")[...],
                           getattr(self, f"hc_{site}_scale")[...], iters=self.iters, hc_eps=self.hc_eps,
                           norm_eps=self.eps)
+
+
+class Block(HcSites):
+    """One layer: optional Engram write, then the attention and FFN sites with single-pass mHC."""
+
+    def __init__(self, cfg, layer: int, *, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.engram_index = cfg.engram_index(layer)
+        if self.engram_index is not None:
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[self.engram_index], rngs=rngs)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.init_hc_sites(cfg, rngs)
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.ffn = MoE(cfg, rngs=rngs)
+
 
     def __call__(self, streams, pre, state: GlobalState, engram_rows=None, taps: list | None = None):
         """streams [B, T, n, d], pre [B, T, n] (fp32) -> (streams, pre, state).

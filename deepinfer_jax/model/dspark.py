@@ -33,7 +33,7 @@ from flax import nnx
 
 from deepinfer_jax.model import mhc
 from deepinfer_jax.model.attention import Attention, attend
-from deepinfer_jax.model.deepseek_v41 import _flatten, _unflatten, check_tree
+from deepinfer_jax.model.deepseek_v41 import HcSites, _flatten, _unflatten, check_tree
 from deepinfer_jax.model.engram import Table
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
@@ -58,19 +58,15 @@ class ConfidenceHead(nnx.Module):
         self.proj = Linear(d + rank, 1, rngs=rngs, std=std)
 
 
-class DSparkStage(nnx.Module):
+class DSparkStage(HcSites):
     """``mtp.S``: a ratio-0 V4.1 block (attention + MoE, single-pass mHC), plus ``main_proj``/``main_norm``
     on the first stage and ``norm``/``markov_head``/``confidence_head`` on the last."""
 
     def __init__(self, cfg, stage: int, *, rngs: nnx.Rngs):
-        n, d, std = cfg.hc_mult, cfg.hidden_size, cfg.initializer_range
-        self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        d, std = cfg.hidden_size, cfg.initializer_range
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", nnx.Param(jax.random.normal(rngs.params(), (n * (n + 2), n * d)) * std))
-            setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((n * (n + 2),), jnp.float32)))
-            setattr(self, f"hc_{site}_scale", nnx.Param(jnp.ones((3,), jnp.float32)))
+        self.init_hc_sites(cfg, rngs)
         self.attn = Attention(cfg, cfg.num_hidden_layers + stage, rngs=rngs)  # past the schedule: ratio 0
         self.ffn = MoE(cfg, rngs=rngs, n_experts=cfg.dspark_n_routed_experts, top_k=cfg.dspark_num_experts_per_tok)
         if stage == 0:
@@ -81,10 +77,6 @@ class DSparkStage(nnx.Module):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, rngs=rngs, std=std)
             self.confidence_head = ConfidenceHead(d, cfg.dspark_markov_rank, rngs=rngs, std=std)
 
-    def mix(self, site: str, streams: jax.Array) -> mhc.Mix:
-        return mhc.hc_mix(streams, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_base")[...],
-                          getattr(self, f"hc_{site}_scale")[...], iters=self.iters, hc_eps=self.hc_eps,
-                          norm_eps=self.eps)
 
     def __call__(self, streams_BNnd, pre_BNn, ctx_BSd, ctx_angles, ctx_valid_BNS, angles_BNP, block: int):
         """One stage over N = A * K draft rows (A anchor blocks of K rows each).
