@@ -9,6 +9,11 @@ Keyword settings map 1:1 onto ``EngineConfig`` fields. Start-up loads the weight
 step bucket, and (``chunking="cost"``) fits the step-time model, from the disk cache when this
 configuration was profiled on this machine before.
 
+Speculative decoding (``speculation``, engine.md §2.3) is on by default when the checkpoint ships a
+DSpark drafter (``drafter.safetensors`` or ``mtp.*`` tensors), as the default checkpoint does: the
+engine then runs a ``runner.SpecRunner`` and plans each step's verification with the confidence-driven
+budget, whose step times it profiles once per token bucket at start-up.
+
 ``LLM(..., sharding="cpu-dp2-ep4")`` (a preset name, a preset ``.toml`` path or a ``ShardingPreset``)
 runs over a device mesh: parameters placed by the sharding rules (routed experts over ``ep``), one
 KV cache and scheduler per attention DP rank (``engine.dp_core.DPEngineCore``,
@@ -37,7 +42,7 @@ from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_ke
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_core import DPEngineCore
-from deepinfer_jax.engine.profiling import profile_cost_model
+from deepinfer_jax.engine.profiling import profile_cost_model, profile_step_times
 from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
 from deepinfer_jax.runner import Buckets, ModelRunner
 from deepinfer_jax.tokenizer import load_tokenizer
@@ -51,6 +56,7 @@ _DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def _load_model(model, dtype: str):
+    """(config, params, checkpoint dir or None)."""
     if model is None:
         if not DEFAULT_CHECKPOINT.is_dir():
             raise FileNotFoundError(f"the shipped checkpoint is missing: {DEFAULT_CHECKPOINT}")
@@ -69,11 +75,21 @@ def _load_model(model, dtype: str):
     return cfg, params, path
 
 
+def _token_buckets(ec: EngineConfig, k: int) -> tuple[int, ...]:
+    """Default token buckets: one decode token per sequence and the step budget; with speculation also
+    steps verifying about 1, 2 and k drafts per sequence (the budget lands in these)."""
+    n, cap = ec.max_num_seqs, ec.max_num_batched_tokens
+    sizes = {n, cap}
+    if k:
+        sizes |= {min(cap, n * m) for m in (2, 3, k + 1)}
+    return tuple(sorted(sizes))
+
+
 class LLM:
     """An offline engine over one model. See the module docstring."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, params=None, config: ModelConfig | None = None,
-                 dtype: str = "float32", use_tqdm: bool = True, **settings) -> None:
+                 drafter=None, dtype: str = "float32", use_tqdm: bool = True, **settings) -> None:
         unknown = sorted(set(settings) - set(EngineConfig.fields()))
         if unknown:
             raise TypeError(f"unknown engine settings {unknown}; see EngineConfig for the fields")
@@ -94,6 +110,12 @@ class LLM:
             self.sharding_preset.validate_for(cfg)  # the routed experts divide over the EP ranks
         self.model_config, self.engine_config, self.params = cfg, ec, params
         self.checkpoint_dir = ckpt
+        if drafter is None and ckpt is not None and ec.speculation != "none":
+            from deepinfer_jax.checkpoint import load_hf_drafter
+
+            drafter = load_hf_drafter(ckpt, cfg, dtype=dtype)
+        self.drafter = drafter
+        self.speculation = self._speculation(ec, drafter)
         self.tokenizer = load_tokenizer(ckpt)
         self._prompt_tokenizer = self._parser_tokenizer = None
 
@@ -106,8 +128,11 @@ class LLM:
         max_len = min(max_len, mbpr * bs)
         cache_cfg = CacheConfig(block_size=bs, num_blocks=ec.num_blocks or ec.max_num_seqs * mbpr,
                                 max_requests=ec.max_num_seqs, max_blocks_per_request=mbpr, storage=ec.kv_storage)
-        buckets = Buckets(tokens=ec.token_buckets or tuple(sorted({ec.max_num_seqs, ec.max_num_batched_tokens})),
-                          requests=ec.request_buckets or (ec.max_num_seqs,), blocks=(mbpr,))
+        k = cfg.dspark_block_size if self.speculation != "none" else 0
+        if k and cache_cfg.spec_slack < k:
+            raise ValueError(f"speculation needs the cache's spec_slack ({cache_cfg.spec_slack}) >= dspark_block_size {k}")
+        buckets = Buckets(tokens=ec.token_buckets or _token_buckets(ec, k), requests=ec.request_buckets or (ec.max_num_seqs,),
+                          blocks=(mbpr,))
         self.max_model_len, self.cache_config, self.buckets = max_len, cache_cfg, buckets
 
         extra = extra_keys(self.fingerprint(), ec.cache_salt) if ec.enable_prefix_caching else None
@@ -121,7 +146,15 @@ class LLM:
                     raise
                 logging.getLogger(__name__).warning("%s; running without a block store", e)
         t0 = time.perf_counter()
-        if self.sharding_preset is None:
+        if self.speculation != "none":
+            from deepinfer_jax.runner.spec_runner import SpecRunner
+
+            from deepinfer_jax.checkpoint.draft_vocab import load_draft_vocab
+
+            vocab = load_draft_vocab(ckpt, cfg.vocab_size, ec.draft_vocab_size)
+            self.runner = SpecRunner(cfg, params, drafter, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
+                                     decoder_replay=ec.decoder_replay, draft_vocab=vocab)
+        elif self.sharding_preset is None:
             self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
                                       decoder_replay=ec.decoder_replay)
         else:  # one cache per DP rank (cache_cfg is one rank's), one step for all ranks
@@ -143,7 +176,7 @@ class LLM:
             ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
             encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
             host_store=host_store, file_store=file_store,
-            decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None)
+            decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None, spec_tokens=k)
         if self.sharding_preset is not None:  # one scheduling domain per DP rank
             self.engine = DPEngineCore(self.runner, [make_scheduler() for _ in range(self.sharding_preset.dp_size)],
                                        tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
@@ -151,9 +184,35 @@ class LLM:
         else:
             structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
                                            overlap=ec.structured_output_overlap)
+            spec = self._spec_decoding(k, use_tqdm) if k else None
             self.engine = EngineCore(self.runner, make_scheduler(), tokenizer=self.tokenizer,
                                      eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
-                                     max_logprobs=ec.max_logprobs, structured=structured)
+                                     max_logprobs=ec.max_logprobs, structured=structured, spec=spec)
+
+    @staticmethod
+    def _speculation(ec: EngineConfig, drafter) -> str:
+        """The speculation mode this engine runs: "auto" resolved, the others checked against the model."""
+        mode = ec.speculation
+        if mode == "auto":
+            return "dspark" if drafter is not None and ec.sharding is None else "none"
+        if mode != "none" and drafter is None:
+            raise ValueError(f"speculation={mode!r} needs a DSpark drafter: the checkpoint has none "
+                             f"(drafter.safetensors or mtp.* tensors), pass drafter= or set speculation='none'")
+        return mode
+
+    def _spec_decoding(self, k: int, use_tqdm: bool):
+        """The verification policy with its step-time table (profiled per token bucket)."""
+        from deepinfer_jax.engine.spec_decode import SpecDecoding
+        from deepinfer_jax.engine.spec_policy import AcceptanceStats, StepTimes, make_policy
+
+        times = None
+        if self.speculation == "dspark":
+            with tqdm(desc="profiling step times", disable=not use_tqdm, total=len(self.buckets.tokens)) as bar:
+                times = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=lambda *_: bar.update(1)))
+        ntok = self.engine_config.num_speculative_tokens or 3
+        stats = AcceptanceStats(k)
+        policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats)
+        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""
@@ -293,6 +352,8 @@ class LLM:
                 "compile_s": self.compile_s,
                 "cost_model_error": None if cm is None else cm.mean_relative_error,
                 "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
+                "speculation": self.speculation,
+                **(self.engine.spec.summary() if getattr(self.engine, "spec", None) is not None else {}),
                 **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {})}
 
     def _dp_stats(self) -> dict:

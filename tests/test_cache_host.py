@@ -87,19 +87,19 @@ def test_v41_per_request_bytes():
     assert c.swa_row_bytes(V41) == 528 == V41.swa_row_bytes
     assert c.ring_capacity(V41) == 134
     swa = 40 * 134 * 528
-    compressor = 3 * (2 - 1) * 2 * 512 * 4  # layers 2, 8, 14; layer 20 (ratio 1) keeps none
-    engram = 3 * 4
+    compressor = 3 * (2 + 6) * 2 * 512 * 4  # layers 2, 8, 14 (ring of r + slack); layer 20 (ratio 1) keeps none
+    engram = (3 + 6) * 4
     assert c.swa_bytes_per_request(V41) == swa
     assert c.compressor_state_bytes_per_request(V41) == compressor
     assert c.engram_state_bytes_per_request(V41) == engram
-    assert c.bytes_per_request(V41) == swa + compressor + engram == 2_842_380
+    assert c.bytes_per_request(V41) == swa + compressor + engram == 2_928_420
 
 
 def test_v41_dequantized_bytes():
     c = _cache(storage="dequantized")
     assert c.global_bytes_per_block(V41) == (64 * 3 + 128) * 4 * (512 + 128)
     assert c.swa_row_bytes(V41) == 2048
-    assert c.bytes_per_request(V41) == 40 * 134 * 2048 + 3 * 2 * 512 * 4 + 12
+    assert c.bytes_per_request(V41) == 40 * 134 * 2048 + 3 * 8 * 2 * 512 * 4 + 9 * 4
 
 
 def test_entries_per_block_swa_layer_rejected():
@@ -112,8 +112,8 @@ def test_tiny_sizes_by_hand():
     # tiny: head_dim 32, index_head_dim 32; sources 2 (r2), 4 (r2), 6 (r1)
     entry = (16 + 2) + (16 + 1)
     assert c.global_bytes_per_block(TINY) == (8 + 8 + 16) * entry == 1120
-    # 12 layers x (8 + 6) rows x 33 B + 2 sources x 1 x 2 x 32 x 4 + (3 - 1) x 4
-    assert c.bytes_per_request(TINY) == 12 * 14 * 33 + 2 * 256 + 8 == 6064
+    # 12 layers x (8 + 6) rows x 33 B + 2 sources x (2 + 6) x 2 x 32 x 4 + (3 - 1 + 6) x 4
+    assert c.bytes_per_request(TINY) == 12 * 14 * 33 + 2 * 8 * 256 + 8 * 4 == 9672
     assert c.tokens_capacity() == 4 * 16
 
 
@@ -130,17 +130,17 @@ def test_sizes_without_engram_or_sources():
 
 
 def test_from_memory_budget_tiny_by_hand():
-    # per request 6064 B, per 16-token block 1120 B; 3 slots = 18192 B
-    c = CacheConfig.from_memory_budget(TINY, 18192 + 10 * 1120 + 1119, max_requests=3, block_size=16,
+    # per request 9672 B, per 16-token block 1120 B; 3 slots = 29016 B
+    c = CacheConfig.from_memory_budget(TINY, 29016 + 10 * 1120 + 1119, max_requests=3, block_size=16,
                                        max_model_len=100)
     assert c.max_blocks_per_request == 7  # ceil(100 / 16)
     assert c.num_blocks == 10
     assert (c.max_requests, c.block_size, c.spec_slack, c.storage) == (3, 16, 6, "quantized")
-    assert c.total_bytes(TINY) <= 18192 + 10 * 1120 + 1119
+    assert c.total_bytes(TINY) <= 29016 + 10 * 1120 + 1119
 
 
 def test_from_memory_budget_exactly_one_request():
-    need = 2 * 6064 + 7 * 1120
+    need = 2 * 9672 + 7 * 1120
     c = CacheConfig.from_memory_budget(TINY, need, max_requests=2, block_size=16, max_model_len=112)
     assert c.num_blocks == c.max_blocks_per_request == 7
     with pytest.raises(ValueError, match="budget_bytes"):
@@ -152,7 +152,7 @@ def test_from_memory_budget_exactly_one_request():
 def test_from_memory_budget_v41():
     c = CacheConfig.from_memory_budget(V41, 80 * 2**30, max_requests=64, max_model_len=1 << 20)
     assert c.max_blocks_per_request == 8192
-    assert c.num_blocks == (80 * 2**30 - 64 * 2_842_380) // 113_920
+    assert c.num_blocks == (80 * 2**30 - 64 * 2_928_420) // 113_920
 
 
 def test_from_memory_budget_rejects_bad_arguments():

@@ -23,14 +23,15 @@ def robust_params(seed: int = 7):
     ``row_sum``), yet a few fused ops still round differently in a flat batch than in a [B, T]
     forward; once in a few thousand tokens such a one-ulp difference flips an FP8 bin of an SWA row
     (seen: -2.0 vs -2.25), which moves later logits by ~5e-4 at full-strength weights. Scaling
-    every sublayer's output projection by 0.1 keeps one flip below the 1e-5 tolerance while
-    attention and the experts still move the logits by far more than that.
+    every sublayer's output projection by 0.05 keeps one flip below the 1e-5 tolerance while
+    attention and the experts still move the logits by far more than that (at 0.1 one flip measured
+    5.6e-5 on an AVX2-only AMD EPYC, where XLA:CPU rounds differently than on AVX-512 machines).
     """
     state = init_params(CFG, seed=seed)
     for block in state["layers"].values():
-        block["attn"]["wo_b"]["weight"][...] = block["attn"]["wo_b"]["weight"][...] * 0.1
-        block["ffn"]["experts"]["w2"][...] = block["ffn"]["experts"]["w2"][...] * 0.1
-        block["ffn"]["shared_experts"]["w2"]["weight"][...] = block["ffn"]["shared_experts"]["w2"]["weight"][...] * 0.1
+        block["attn"]["wo_b"]["weight"][...] = block["attn"]["wo_b"]["weight"][...] * 0.05
+        block["ffn"]["experts"]["w2"][...] = block["ffn"]["experts"]["w2"][...] * 0.05
+        block["ffn"]["shared_experts"]["w2"]["weight"][...] = block["ffn"]["shared_experts"]["w2"]["weight"][...] * 0.05
     return state
 
 

@@ -95,6 +95,16 @@ class CacheConfig:
         """Rows of one SWA ring: the window plus the speculative slack (134 for V4.1)."""
         return cfg.sliding_window + self.spec_slack
 
+    def comp_capacity(self, ratio: int) -> int:
+        """Rows of one compressor state ring (a ratio > 1 KV source): the ``ratio`` tokens of the
+        current group plus the speculative slack, indexed by position, so a rollback of up to
+        ``spec_slack`` positions finds the group's earlier tokens intact."""
+        return ratio + self.spec_slack
+
+    def engram_capacity(self, cfg: ModelConfig) -> int:
+        """Token ids of one Engram look-back ring: ``engram_max_ngram_size - 1`` plus the slack."""
+        return cfg.engram_max_ngram_size - 1 + self.spec_slack
+
     def entries_per_block(self, cfg: ModelConfig, layer: int) -> int:
         """Compressed global entries one block holds for ``layer`` (a compressed layer)."""
         ratio = cfg.compress_ratio(layer)
@@ -134,17 +144,18 @@ class CacheConfig:
         return cfg.num_hidden_layers * self.ring_capacity(cfg) * self.swa_row_bytes(cfg)
 
     def compressor_state_bytes_per_request(self, cfg: ModelConfig) -> int:
-        """fp32 partial groups of the ratio > 1 KV sources: (r - 1) pending tokens x (values +
+        """fp32 partial groups of the ratio > 1 KV sources: a ring of ``comp_capacity(r)`` tokens
+        (r + spec_slack: at most r - 1 are pending, the rest absorb speculative rollback) x (values +
         gate scores) x head_dim x 4 bytes each."""
         ratios = (cfg.compress_ratio(s) for s in self.kv_source_layers(cfg))
-        return sum((r - 1) * 2 * cfg.head_dim * _FP32_BYTES for r in ratios if r > 1)
+        return sum(self.comp_capacity(r) * 2 * cfg.head_dim * _FP32_BYTES for r in ratios if r > 1)
 
     def engram_state_bytes_per_request(self, cfg: ModelConfig) -> int:
-        """Engram n-gram look-back: the last ``engram_max_ngram_size - 1`` token ids (int32), when
-        the backbone has an Engram layer."""
+        """Engram n-gram look-back: a ring of ``engram_capacity`` token ids (int32; the last
+        ``engram_max_ngram_size - 1`` plus the rollback slack), when the backbone has an Engram layer."""
         if not any(i < cfg.num_hidden_layers for i in cfg.engram_layer_ids):
             return 0
-        return (cfg.engram_max_ngram_size - 1) * _TOKEN_ID_BYTES
+        return self.engram_capacity(cfg) * _TOKEN_ID_BYTES
 
     def bytes_per_request(self, cfg: ModelConfig) -> int:
         """Per-request slot bytes: SWA rings + compressor partial state + Engram look-back."""

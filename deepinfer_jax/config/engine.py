@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHUNKING_MODES", "EngineConfig", "yoco_keep_tokens"]
+__all__ = ["CHUNKING_MODES", "SPECULATION_MODES", "EngineConfig", "yoco_keep_tokens"]
 
 #: The seeds' knob for decoder bounded replay (engine.md §1.4): prompt tokens that run the decoder.
 YOCO_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
@@ -28,6 +28,11 @@ def yoco_keep_tokens(value: int | None = None) -> int:
     if keep < 1:
         raise ValueError(f"{YOCO_ENV} must be an integer >= 1, got {raw!r}")
     return keep
+
+#: Speculative decoding (engine.md §2.3): "auto" = "dspark" when the model has a DSpark drafter (and
+#: no sharding), else "none"; "fixed": every decoding request verifies ``num_speculative_tokens`` drafts
+#: per step; "dspark": the confidence-driven budget (``engine.spec_policy``).
+SPECULATION_MODES = ("auto", "none", "fixed", "dspark")
 
 #: "cost": chunk sizes from the fitted step-time model and ``step_budget_ns``; "tokens": a fixed
 #: token budget per step (``max_num_batched_tokens``, vLLM's setting).
@@ -97,6 +102,16 @@ class EngineConfig:
             ``num_blocks`` and ``max_num_batched_tokens`` are per rank. Needs
             ``enable_prefix_caching=False`` and ``chunking="tokens"``, and refuses ``decoder_replay``
             and structured output (not supported with DP yet).
+        speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
+            "auto" (the default: "dspark" when the checkpoint has a drafter, else "none"), "none",
+            "fixed" or "dspark". Lossless: greedy outputs are those of "none", sampled ones follow the
+            same distribution. Requests with a structured-output constraint verify no drafts.
+        num_speculative_tokens: drafts per step in "fixed" mode, and the fixed count of requests with
+            their own seed in "dspark" mode (their tokens then do not depend on the batch, engine.md
+            §2.5); at most the drafter's block size. None = 3.
+        draft_vocab_size: the drafter proposes only the first this many tokens of the checkpoint's
+            frequency-ranked ``draft_vocab.json`` (cheaper drafting, still lossless); None = the file's
+            default size, or the whole vocabulary when the checkpoint ships no such file.
     """
 
     max_num_seqs: int = 8
@@ -127,6 +142,9 @@ class EngineConfig:
     block_store: str | None = None
     block_store_fallback: bool = False
     sharding: Any = None
+    speculation: str = "auto"
+    num_speculative_tokens: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
@@ -142,6 +160,10 @@ class EngineConfig:
         if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
             raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
         _pos("replay_tokens", self.replay_tokens, optional=True)
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
+        _pos("num_speculative_tokens", self.num_speculative_tokens, optional=True)
+        _pos("draft_vocab_size", self.draft_vocab_size, optional=True)
         _pos("yoco_keep_tokens", self.yoco_keep_tokens, optional=True)
         if not isinstance(self.host_store_bytes, int) or self.host_store_bytes < 0:
             raise ValueError(f"host_store_bytes must be an integer >= 0, got {self.host_store_bytes!r}")
@@ -173,7 +195,8 @@ class EngineConfig:
                              f"got {self.sharding!r}")
         for name, bad, want in (("enable_prefix_caching", self.enable_prefix_caching, "False"),
                                 ("chunking", self.chunking != "tokens", "'tokens'"),
-                                ("decoder_replay", self.decoder_replay, "False")):
+                                ("decoder_replay", self.decoder_replay, "False"),
+                                ("speculation", self.speculation not in ("auto", "none"), "'auto' or 'none'")):
             if bad:
                 raise ValueError(f"{name} must be {want} with sharding (not supported with attention data "
                                  f"parallel yet), got {getattr(self, name)!r}")

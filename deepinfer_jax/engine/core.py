@@ -18,6 +18,12 @@ has read step N's tokens), and only the small sampling program waits for them. W
 structured-output benchmark compares against). A request whose grammar allows no next token ends
 with finish reason ``"error"`` and the backend's message as ``stop_reason``.
 
+Speculative decoding (engine.md §2.3, ``spec=SpecDecoding`` with a ``runner.SpecRunner``): a decoding
+request's row verifies drafts on the device; the verification policy sets each row's cap and the
+step's budget (``engine.spec_decode``), and a row may add several tokens, which the host takes in
+order, stopping at the first that ends the request. Structured-output requests verify no drafts
+(their mask covers one position).
+
 Requests are validated when added (``RequestError`` naming the field, including grammars that do
 not compile); nothing invalid reaches the scheduler, so a bad request never disturbs the running ones.
 """
@@ -37,6 +43,7 @@ from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
 from deepinfer_jax.engine.request import Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.engine.spec_decode import SpecDecoding
 from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, PendingStep, SampleSpec
 
@@ -70,6 +77,8 @@ class _InFlight:
     launched: float
     snapshots: list = field(default_factory=list)  # (request, position, device arrays) to save
     writeback: tuple | None = None  # (digests, device rows) of newly cached blocks for the lower tiers
+    spec: object = None  # speculative decoding: what the step's plan assumed
+    crossings: dict = field(default_factory=dict)  # verify chunk index -> window copy if it crossed a block
 
 
 class EngineCore:
@@ -77,9 +86,10 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, tokenizer: Tokenizer | None, eos_token_id: int,
                  seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None, spec: SpecDecoding | None = None) -> None:
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.structured = structured
+        self.spec = spec
         self.eos_token_id, self.seed, self.async_scheduling = eos_token_id, seed, async_scheduling
         self.max_logprobs = max_logprobs
         self.vocab_size = runner.cfg.vocab_size
@@ -185,9 +195,12 @@ class EngineCore:
                     c.request.uploads = None
                 if c.request.restore is not None:
                     pos, snap = c.request.restore
-                    self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos))
+                    self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos), pos)
                     c.request.restore = None
-            specs = [self._spec(c) for c in plan.chunks]
+            vplan = caps = planned = None
+            if self.spec is not None:
+                vplan, caps, planned, draft = self.spec.plan(plan.chunks)
+            specs = [self._spec(c, None if caps is None else caps.get(i)) for i, c in enumerate(plan.chunks)]
             rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
                     if c.sample and c.request.matcher is not None]
             masks = None
@@ -196,8 +209,12 @@ class EngineCore:
                     finished += self._reconcile(prev)
                     prev = None
                 masks = self.structured.masks(Buckets.pick(self.runner.buckets.requests, len(specs), "requests"), rows)
-            fwd = self.runner.forward(specs)
-            launched = _InFlight(plan, None, time.perf_counter())
+            if vplan is None:
+                fwd = self.runner.forward(specs)
+            else:
+                logprobs = any(c.request.logprobs is not None for c in plan.chunks)
+                fwd = self.runner.forward(specs, vplan.budget, draft, logprobs)
+            launched = _InFlight(plan, None, time.perf_counter(), spec=planned)
             prefix = self.scheduler.prefix
             if prefix is not None:  # window copies and block reads right behind the model step
                 self._take_snapshots(launched)
@@ -251,11 +268,15 @@ class EngineCore:
         step is reconciled) and at each block boundary a request reaches (the latest kept per
         request, saved when it ends)."""
         bs = self.scheduler.block_size
-        for c in step.plan.chunks:
+        for i, c in enumerate(step.plan.chunks):
             r, end = c.request, c.start + c.num_tokens
             if r.finished:  # ended by the previous step's tokens (asynchronous mode): nothing to keep
                 continue
-            if end in r.snapshot_points:
+            if c.verify:  # it may cross a block boundary: copy now, keep it if it did (``_crossed``)
+                hi = r.max_tokens_on_device - 1  # the latest boundary this step can reach
+                if hi // bs * bs > c.start and not r.approximate and not r.decoder_from:
+                    step.crossings[i] = self.runner.snapshot_swa(r.slot)
+            elif end in r.snapshot_points:
                 step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot)))
                 r.snapshot_points.remove(end)
             elif end % bs == 0 and c.start >= len(r.prompt_ids) and not r.approximate and not r.decoder_from:
@@ -267,7 +288,8 @@ class EngineCore:
         if digest is not None and digest not in prefix.snapshots:
             prefix.snapshots.put(digest, self.runner.to_host(arrays))
 
-    def _spec(self, c) -> ChunkSpec:
+    def _spec(self, c, verify: tuple[int, bool] | None = None) -> ChunkSpec:
+        """The runner's view of a scheduled chunk; ``verify`` = (cap, forced) of a verify row."""
         r, p = c.request, c.request.params
         sample = None
         if c.sample:
@@ -275,10 +297,16 @@ class EngineCore:
             sample = SampleSpec(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                                 seed=p.seed if seeded else self.seed, stream=0 if seeded else r.number,
                                 position=c.start + c.num_tokens - len(r.prompt_ids))
+        common = dict(slot=r.slot, block_table=r.blocks.block_ids, sample=sample, window_floor=r.window_floor,
+                      global_write_from=r.write_from, decoder_from=r.decoder_from, decoder_floor=r.decoder_from)
+        if c.verify:  # the anchor's position is known only on the device: pass its upper bound
+            cap, forced = verify
+            return ChunkSpec(ctx_len=r.max_tokens_on_device - c.num_tokens - 1, token_ids=[0], verify=True,
+                             max_drafts=cap, forced=forced, limit=self.scheduler.max_model_len,
+                             prompt_len=len(r.prompt_ids), **common)
         ids = [0] if c.feed_last else r.known_tokens(c.start, c.start + c.num_tokens)
-        return ChunkSpec(slot=r.slot, block_table=r.blocks.block_ids, ctx_len=c.start, token_ids=ids, sample=sample,
-                         feed_last=c.feed_last, window_floor=r.window_floor, global_write_from=r.write_from,
-                         decoder_from=r.decoder_from, decoder_floor=r.decoder_from)
+        extra = {} if self.spec is None else dict(prompt_len=len(r.prompt_ids), ctx_from=r.ctx_from)
+        return ChunkSpec(ctx_len=c.start, token_ids=ids, feed_last=c.feed_last, **common, **extra)
 
     def _reconcile(self, step: _InFlight, on_tokens=None) -> list[RequestOutput]:
         """Take a step's tokens into its requests. ``on_tokens`` is called once the grammar matchers
@@ -286,10 +314,11 @@ class EngineCore:
         t0 = time.perf_counter()
         results = step.pending.result()
         ready = time.perf_counter()
+        results = [[res] if isinstance(res, tuple) else res for res in results]  # per chunk: its tokens
         for chunk, res in zip(step.plan.chunks, results):
             r = chunk.request
-            if res is not None and not r.finished and r.matcher is not None and not r.matcher.consume(res[0]):
-                r.grammar_error = r.matcher.error() or f"token {res[0]} is not allowed by the grammar"
+            if res and not r.finished and r.matcher is not None and not r.matcher.consume(res[0][0]):
+                r.grammar_error = r.matcher.error() or f"token {res[0][0]} is not allowed by the grammar"
         if on_tokens is not None:
             on_tokens()
         self.stats.wait_s += ready - t0
@@ -300,7 +329,9 @@ class EngineCore:
             self.stats.predicted_ns.append(step.plan.predicted_ns)
             self.stats.measured_ns.append(device_ns)
         if self.cost_model is not None:
-            self.cost_model.observe(step.plan.shape(), device_ns)
+            self.cost_model.observe(self._observed_shape(step), device_ns)
+        if step.spec is not None:
+            self.spec.observe(step.plan.chunks, results, step.pending, step.spec, device_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
         prefix = self.scheduler.prefix
@@ -312,16 +343,42 @@ class EngineCore:
                     self._io_futures.append(self._io.submit(prefix.files.put, d, payload))
             self._io_futures = [f for f in self._io_futures if not f.done() or f.exception()]
         finished = []
-        for chunk, res in zip(step.plan.chunks, results):
+        for i, (chunk, res) in enumerate(zip(step.plan.chunks, results)):
             r = chunk.request
             r.inflight -= 1
             if res is None or r.finished:
                 continue
             r.num_pending -= 1
-            if self._accept(r, *res, ready):
-                finished.append(r.to_output())
+            r.pending_max -= chunk.num_tokens if chunk.verify else 1
+            if chunk.verify and i in step.crossings:
+                self._crossed(r, step.pending.anchors[i], len(res), step.crossings[i])
+            for token in res:
+                if self._accept(r, *token, ready):
+                    finished.append(r.to_output())
+                    break
+            else:
+                if chunk.verify and r.decoding:  # everything before the newest token is in the cache
+                    r.num_computed = max(r.num_computed, len(r.prompt_ids) + len(r.output_ids) - 1)
         self.stats.reconcile_s += time.perf_counter() - ready
         return finished
+
+    def _crossed(self, r: Request, anchor: int, produced: int, arrays) -> None:
+        """A verify row ran at ``anchor`` and produced ``produced`` tokens: the positions ``anchor ..
+        anchor + produced - 1`` are now in the cache; if a block boundary lies in ``(anchor, anchor +
+        produced]``, the window copied behind the step is the window at that boundary."""
+        bs = self.scheduler.block_size
+        b = (anchor + produced) // bs * bs
+        if produced and b > anchor:
+            r.swa_copy = (b, arrays)
+
+    @staticmethod
+    def _observed_shape(step: _InFlight) -> list[tuple[int, int]]:
+        """[(q, c)] per chunk as the step really ran (verify rows: 1 + the drafts they verified)."""
+        if step.spec is None:
+            return step.plan.shape()
+        pending = step.pending
+        return [(1 + pending.verified[i], pending.anchors[i]) if c.verify else (c.num_tokens, c.start)
+                for i, c in enumerate(step.plan.chunks)]
 
     def _accept(self, r: Request, token: int, logprob: float, top_ids, top_lps, now: float) -> bool:
         """Append one sampled token; True when it finished the request."""

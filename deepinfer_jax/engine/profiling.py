@@ -14,7 +14,7 @@ import time
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.runner import ChunkSpec, ModelRunner, SampleSpec
 
-__all__ = ["profile_cost_model", "profile_grid"]
+__all__ = ["profile_cost_model", "profile_grid", "profile_step_times"]
 
 
 def profile_grid(max_tokens: int, max_model_len: int, max_seqs: int) -> list[list[tuple[int, int]]]:
@@ -56,3 +56,30 @@ def profile_cost_model(runner: ModelRunner, *, max_tokens: int, max_model_len: i
     model = CostModel()
     model.fit(steps, times, base=True)
     return model, steps, times
+
+
+def profile_step_times(runner, repeats: int = 2, progress=None) -> list[float]:
+    """Device time (ns, best of ``repeats``) of a full step per token bucket, for the speculative
+    budget (``engine.spec_policy.StepTimes``): the largest request bucket's rows, each a chunk that
+    samples (so the step also runs the drafter), splitting the bucket's tokens between them."""
+    cc = runner.cache_cfg
+    r = min(runner.buckets.requests[-1], cc.max_requests)
+    out = []
+    for n in runner.buckets.tokens:
+        rows = min(r, n)
+        sizes = [n // rows + (i < n % rows) for i in range(rows)]
+        chunks = []
+        for slot, q in enumerate(sizes):
+            nb = math.ceil(q / cc.block_size)
+            table = [(slot * nb + b) % cc.num_blocks for b in range(nb)]
+            chunks.append(ChunkSpec(slot=slot, block_table=table, ctx_len=0, token_ids=[1] * q, sample=SampleSpec(),
+                                    prompt_len=q))
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.launch(chunks).result()
+            best = min(best, time.perf_counter() - t0)
+        out.append(best * 1e9)
+        if progress is not None:
+            progress(len(out), len(runner.buckets.tokens))
+    return out

@@ -25,6 +25,12 @@ class Request:
     ``num_computed`` counts tokens whose KV is in the cache *or being written by a launched step*;
     ``num_pending`` counts sampled tokens still on the device (asynchronous scheduling: the host
     learns them one step late), so the request's length is ``len(prompt) + len(output) + pending``.
+
+    Speculative decoding: once ``decoding``, each step the request is in verifies drafts on the device
+    and adds between 1 and ``1 + drafts`` tokens the host learns only when it reconciles the step;
+    ``num_pending`` then counts one token per such step (a lower bound) and ``pending_max`` the most
+    they may add, and ``num_computed`` is a lower bound (``len(prompt) + len(output) - 1`` once
+    reconciled: everything before the newest token).
     """
 
     def __init__(self, request_id: str, number: int, prompt: str | None, prompt_ids: list[int],
@@ -60,6 +66,12 @@ class Request:
         self.matcher = None  # structured output: the grammar's state (``engine.structured.Matcher``)
         self.grammar_error: str | None = None  # set when a generated token broke the grammar
         self.decoder_from = 0  # decoder bounded replay: earlier positions run the encoder only
+        # speculative decoding
+        self.decoding = False  # its last prefill chunk sampled: later steps verify drafts on the device
+        self.pending_max = 0  # most tokens the launched, unreconciled steps may still add
+        self.ctx_from = 0  # first position computed since admission (the drafter's context starts there)
+        self.next_conf = None  # confidences of the drafts its next verification will see (host copy, stale)
+        self.has_drafts = False  # the step that produced its newest token also drafted the next block
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "
@@ -73,6 +85,11 @@ class Request:
     @property
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_pending
+
+    @property
+    def max_tokens_on_device(self) -> int:
+        """The most tokens the device may hold for this request once its launched steps finish."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending_max
 
     def known_tokens(self, start: int, stop: int) -> list[int]:
         """Token ids [start, stop) of prompt + reconciled output."""

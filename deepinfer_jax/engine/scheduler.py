@@ -37,13 +37,18 @@ __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens [start, start + num_tokens) of ``request``; ``sample``: the chunk reaches the request's
-    end and samples its next token; ``feed_last``: its one token is still on the device."""
+    end and samples its next token; ``feed_last``: its one token is still on the device.
+
+    ``verify`` (speculative decoding): a decoding request's verification row, built on the device
+    from its slot; ``start`` is then a lower bound of its position and ``num_tokens`` the most it may
+    run (1 + drafts)."""
 
     request: Request
     start: int
     num_tokens: int
     sample: bool
     feed_last: bool
+    verify: bool = False
 
 
 @dataclass
@@ -69,7 +74,7 @@ class Scheduler:
                  cost_model: CostModel | None = None, step_budget_ns: int | None = None,
                  prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256,
                  encoder_replay: bool = False, replay_tokens: int = 0, host_store=None, file_store=None,
-                 decoder_keep: int | None = None) -> None:
+                 decoder_keep: int | None = None, spec_tokens: int = 0) -> None:
         if chunking == "cost" and (cost_model is None or step_budget_ns is None):
             raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
         self.pool = BlockPool(num_blocks)
@@ -84,6 +89,7 @@ class Scheduler:
         self.free_slots = collections.deque(range(max_num_seqs))
         self.num_preemptions = 0
         self.decoder_keep = decoder_keep  # decoder bounded replay: prompt tokens that run the decoder
+        self.spec_tokens = spec_tokens  # speculative decoding: most drafts a verify row may take (0 = off)
         #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
         self.prefix = None if prefix_extra is None else PrefixCache(
             self.pool, block_size, ring_rows, prefix_extra, SwaSnapshotStore(swa_snapshot_entries),
@@ -103,8 +109,15 @@ class Scheduler:
         return (p.max_tokens is not None and r.num_generated >= p.max_tokens) or r.num_tokens >= self.max_model_len
 
     def _wants(self, r: Request) -> int:
-        """Tokens the request could compute now (0 while its limit is reached and it awaits its finish)."""
-        return 0 if self._limit_reached(r) else r.num_tokens - r.num_computed
+        """Tokens the request could compute now (0 while its limit is reached and it awaits its finish);
+        a decoding request under speculation wants one verify row (1 + spec_tokens tokens at most)."""
+        if self._limit_reached(r):
+            return 0
+        return 1 + self.spec_tokens if r.decoding else r.num_tokens - r.num_computed
+
+    def _verify_capacity(self, r: Request) -> int:
+        """Tokens a verify row's blocks must cover: every position the device may write this step."""
+        return min(r.max_tokens_on_device + self.spec_tokens, self.max_model_len)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -113,6 +126,8 @@ class Scheduler:
         time_left = (self.step_budget_ns - self.cost_model.coef[0]) if cost else 0.0
 
         def chunk_size(r: Request, want: int) -> int:
+            if r.decoding:  # a verify row runs like a decode token, with as many drafts as the budget holds
+                return min(want, tokens_left)
             cap = min(want, tokens_left)
             nxt = next((p for p in r.snapshot_points if p > r.num_computed), 0)
             if nxt:  # prefill stops at each snapshot point to save the window there
@@ -124,14 +139,21 @@ class Scheduler:
 
         def take(r: Request, q: int) -> None:
             nonlocal tokens_left, time_left
-            sample = r.num_computed + q == r.num_tokens
-            out.chunks.append(ScheduledChunk(r, r.num_computed, q, sample, r.num_pending > 0))
             tokens_left -= q
             if cost:
                 time_left -= self.cost_model.chunk_cost(q, r.num_computed)
+            r.inflight += 1
+            if r.decoding:  # verify row: adds 1 .. q tokens, learnt when reconciled
+                out.chunks.append(ScheduledChunk(r, r.num_computed, q, True, True, verify=True))
+                r.num_pending += 1
+                r.pending_max += q
+                return
+            sample = r.num_computed + q == r.num_tokens
+            out.chunks.append(ScheduledChunk(r, r.num_computed, q, sample, r.num_pending > 0))
             r.num_computed += q
             r.num_pending += sample
-            r.inflight += 1
+            r.pending_max += sample
+            r.decoding = sample and self.spec_tokens > 0
 
         for r in [r for r in self.running if r.num_pending and self._limit_reached(r)]:
             # certain to finish once its last token is reconciled: free its slot and blocks now
@@ -148,7 +170,7 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    r.blocks.ensure_capacity(r.num_computed + q)
+                    r.blocks.ensure_capacity(self._verify_capacity(r) if r.decoding else r.num_computed + q)
                     break
                 except OutOfBlocks:
                     victim = self.running[-1]
@@ -196,6 +218,7 @@ class Scheduler:
                 r.num_cached_tokens = r.num_cached_tokens or hit
             if self.decoder_keep is not None:  # the decoder runs on the last decoder_keep tokens only
                 r.decoder_from = max(0, r.num_tokens - self.decoder_keep)
+            r.ctx_from = max(r.num_computed, r.decoder_from)
             r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
             self.running.append(r)
             take(r, q)
@@ -224,6 +247,7 @@ class Scheduler:
         self._release(r)
         r.status, r.num_computed, r.registered, r.restore = Status.WAITING, 0, 0, None
         r.approximate, r.window_floor, r.write_from = False, 0, 0
+        r.decoding, r.next_conf = False, None
         r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)
@@ -246,4 +270,4 @@ class Scheduler:
             self.waiting.remove(r)
         self._release(r)
         r.status, r.finish_reason, r.stop_reason = Status.FINISHED, reason, stop_reason
-        r.num_pending = 0
+        r.num_pending = r.pending_max = 0

@@ -38,9 +38,10 @@ from deepinfer_jax.model.engram import Table
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
 
-__all__ = ["DSparkDrafter", "DraftOutput", "abstract_drafter_params", "check_drafter_config", "confidence_logit",
-           "draft_after_prefix", "draft_block", "draft_from_features", "drafter_params_from_tree", "drafter_states",
-           "init_drafter_params", "markov_bias", "teacher_forced_heads"]
+__all__ = ["DSparkDrafter", "DraftHeads", "DraftOutput", "abstract_drafter_params", "check_drafter_config",
+           "confidence_logit", "draft_after_prefix", "draft_block", "draft_from_features", "draft_heads", "draft_sampled",
+           "drafter_params_from_tree", "drafter_states", "init_drafter_params", "markov_bias", "project_features",
+           "teacher_forced_heads"]
 
 
 class MarkovHead(nnx.Module):
@@ -164,14 +165,24 @@ _FP32_LEAVES = {"hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_
 # ---- the pure forward -------------------------------------------------------------------------------
 
 
+def project_features(drafter: nnx.State, cfg, feats_F: jax.Array) -> jax.Array:
+    """Target features [..., L*d] -> the drafter's context rows [..., d]: ``mtp.0``'s
+    ``main_norm(main_proj(.))``. The engine projects each token's features once, when the target step
+    computes them, and keeps the projected rows per request."""
+    first = nnx.merge(_graphdef(cfg), drafter).mtp[0]
+    return first.main_norm(first.main_proj(feats_F))
+
+
 def drafter_states(drafter: nnx.State, embed_Vd: jax.Array, cfg, ctx_BSF: jax.Array, ctx_pos_BS: jax.Array,
-                   ctx_ok_BS: jax.Array, block_ids_BAK: jax.Array, anchor_pos_BA: jax.Array) -> jax.Array:
+                   ctx_ok_BS: jax.Array, block_ids_BAK: jax.Array, anchor_pos_BA: jax.Array,
+                   projected: bool = False) -> jax.Array:
     """Final normalised draft states ``hn`` [B, A, K, d] of A draft blocks per sequence.
 
     drafter: the ``mtp.*`` state; embed [V, d]: the target's embedding (shared); ctx [B, S, L*d]: target
-    features at positions ``ctx_pos`` [B, S] (``ctx_ok`` [B, S] marks real rows); block_ids [B, A, K]:
-    ``[anchor, noise, ...]`` per block; anchor_pos [B, A]. Block ``j`` sits at positions
-    ``anchor_pos[j] + 0..K-1`` and sees the context rows with ``anchor - W <= pos < anchor``.
+    features at positions ``ctx_pos`` [B, S] (``ctx_ok`` [B, S] marks real rows), or with ``projected``
+    the rows ``project_features`` made of them [B, S, d]; block_ids [B, A, K]: ``[anchor, noise, ...]``
+    per block; anchor_pos [B, A]. Block ``j`` sits at positions ``anchor_pos[j] + 0..K-1`` and sees the
+    context rows with ``anchor - W <= pos < anchor``.
     """
     model = nnx.merge(_graphdef(cfg), drafter)
     stages = list(model.mtp)
@@ -185,7 +196,7 @@ def drafter_states(drafter: nnx.State, embed_Vd: jax.Array, cfg, ctx_BSF: jax.Ar
     cp = ctx_pos_BS[:, None, :]
     ctx_valid = ctx_ok_BS[:, None, :] & (cp < anchor[..., None]) & (cp >= anchor[..., None] - cfg.sliding_window)
     first = stages[0]
-    ctx = first.main_norm(first.main_proj(ctx_BSF.astype(x.dtype)))
+    ctx = ctx_BSF.astype(x.dtype) if projected else first.main_norm(first.main_proj(ctx_BSF.astype(x.dtype)))
     for stage in stages:
         angles = stage.attn.angles(pos)
         ctx_angles = stage.attn.angles(ctx_pos_BS)
@@ -255,6 +266,58 @@ def draft_block(drafter: nnx.State, target: nnx.State, cfg, ctx_BSF: jax.Array, 
 
     _, (logits, ids, conf) = jax.lax.scan(one, anchor_ids_B.astype(jnp.int32),
                                           (jnp.swapaxes(base, 0, 1), jnp.swapaxes(hn, 0, 1)))
+    logits, ids, conf = (jnp.swapaxes(v, 0, 1) for v in (logits, ids, conf))
+    return DraftOutput(logits, ids, jax.nn.sigmoid(conf), conf)
+
+
+class DraftHeads(NamedTuple):
+    """The output rows the engine's drafter scores: the target head's and the Markov head's rows of the
+    draft vocabulary ``ids`` [Vd] (all tokens, or a frequency-ranked subset: FR-Spec style drafting)."""
+
+    ids: jax.Array  # [Vd] i32
+    head: jax.Array  # [Vd, d] rows of the target's head
+    markov: jax.Array  # [Vd, r] rows of markov_head.head
+
+
+def draft_heads(drafter: nnx.State, target: nnx.State, cfg, ids=None) -> DraftHeads:
+    """``DraftHeads`` for the token ids ``ids`` (None = the whole vocabulary)."""
+    ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+    mk = nnx.merge(_graphdef(cfg), drafter).mtp[cfg.num_nextn_predict_layers - 1].markov_head
+    return DraftHeads(ids, jnp.take(target["head"]["weight"][...], ids, axis=0).astype(jnp.float32),
+                      jnp.take(mk.head.weight[...], ids, axis=0).astype(jnp.float32))
+
+
+def draft_sampled(drafter: nnx.State, target: nnx.State, cfg, heads: DraftHeads, ctx_BSd: jax.Array,
+                  ctx_pos_BS: jax.Array, ctx_ok_BS: jax.Array, anchor_ids_B: jax.Array, anchor_pos_B: jax.Array,
+                  temperature_B: jax.Array, gumbel_BKV) -> DraftOutput:
+    """The engine's draft: like ``draft_block`` from projected context rows (``project_features``), over
+    the draft vocabulary ``heads`` (logits [B, K, Vd] of its columns; ``draft_ids`` are token ids). Each
+    token is taken greedily where ``temperature`` [B] is 0 and sampled from ``softmax(logits / T)``
+    otherwise (``gumbel_BKV()``: Gumbel noise [B, K, Vd], called only when some row samples). The Markov
+    head conditions each position on the token actually drafted before it, so ``logits`` are the exact
+    distributions the drafts were drawn from (what lossless verification needs)."""
+    k = cfg.dspark_block_size
+    b = anchor_ids_B.shape[0]
+    block = jnp.concatenate([anchor_ids_B[:, None], jnp.full((b, k - 1), cfg.dspark_noise_token_id)], 1)
+    hn = drafter_states(drafter, target["embed"]["weight"][...], cfg, ctx_BSd, ctx_pos_BS, ctx_ok_BS,
+                        block[:, None].astype(jnp.int32), anchor_pos_B[:, None], projected=True)[:, 0]  # [B, K, d]
+    base = matmul_t(hn.astype(jnp.float32), heads.head)  # [B, K, Vd]
+    sampled = temperature_B > 0
+    t = jnp.where(sampled, temperature_B, 1.0)[:, None]
+    noise = jax.lax.cond(jnp.any(sampled), gumbel_BKV, lambda: jnp.zeros(base.shape, jnp.float32))
+    mk = nnx.merge(_graphdef(cfg), drafter).mtp[cfg.num_nextn_predict_layers - 1].markov_head
+    table = mk.embed.weight[...]
+
+    def one(prev, xs):
+        base_BV, hn_Bd, noise_BV = xs
+        emb = jnp.take(table, prev, axis=0).astype(jnp.float32)
+        logits = base_BV + matmul_t(emb, heads.markov)
+        col = jnp.where(sampled, jnp.argmax(logits / t + noise_BV, axis=-1), jnp.argmax(logits, axis=-1))
+        tok = heads.ids[col]
+        return tok, (logits, tok, confidence_logit(drafter, cfg, hn_Bd, emb))
+
+    xs = (jnp.swapaxes(base, 0, 1), jnp.swapaxes(hn, 0, 1), jnp.swapaxes(noise, 0, 1))
+    _, (logits, ids, conf) = jax.lax.scan(one, anchor_ids_B.astype(jnp.int32), xs)
     logits, ids, conf = (jnp.swapaxes(v, 0, 1) for v in (logits, ids, conf))
     return DraftOutput(logits, ids, jax.nn.sigmoid(conf), conf)
 

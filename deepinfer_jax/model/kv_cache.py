@@ -5,9 +5,15 @@ One pytree, sized by a ``CacheConfig``:
 - ``global[L]`` for each KV-source layer L: a pool of ``num_blocks`` blocks, each holding the
   ``block_size // ratio`` compressed entries of its tokens: main KV (``kv``) and index keys (``index``).
 - ``swa``: per request slot, a ring of ``sliding_window + spec_slack`` SWA rows for every layer.
-- ``comp[L]`` for ratio > 1 KV sources: the compressor's pending tokens (fp32 values and gate
-  scores), indexed by ``position % ratio``.
-- ``engram``: per request slot, the last ``max_ngram - 1`` token ids (-1 = none), most recent last.
+- ``comp[L]`` for ratio > 1 KV sources: the compressor's recent tokens (fp32 values and gate
+  scores), a ring of ``ratio + spec_slack`` rows indexed by ``position % capacity``.
+- ``engram``: per request slot, a ring of the last ``max_ngram - 1 + spec_slack`` token ids, indexed
+  by ``position % capacity`` (-1 = none).
+
+Every per-slot part is a ring indexed by position with ``spec_slack`` rows to spare: a step may write
+a few positions that are later rolled back (rejected speculative drafts), and the next step starting
+at an earlier position still finds every row it reads intact; rows at rolled-back positions are
+simply written again.
 
 Storage ``"quantized"`` keeps the QAT formats of model.md §4.8 (SWA FP8 + UE8M0 scales, global KV
 NVFP4 codes + E4M3 scales, index keys MXFP4 codes + UE8M0 scales); ``"dequantized"`` keeps the
@@ -83,10 +89,11 @@ def init_cache(cfg, cache_cfg) -> dict:
         glob[layer] = {"kv": _empty((nb, bs // r, cfg.head_dim), "nvfp4", qz),
                        "index": _empty((nb, bs // r, cfg.index_head_dim), "mxfp4", qz)}
         if r > 1:
-            comp[layer] = {"v": jnp.zeros((slots, r, cfg.head_dim), jnp.float32),
-                           "g": jnp.zeros((slots, r, cfg.head_dim), jnp.float32)}
+            cc = cache_cfg.comp_capacity(r)
+            comp[layer] = {"v": jnp.zeros((slots, cc, cfg.head_dim), jnp.float32),
+                           "g": jnp.zeros((slots, cc, cfg.head_dim), jnp.float32)}
     cache = {"global": glob, "comp": comp,
              "swa": _empty((cfg.num_hidden_layers, slots, cap, cfg.head_dim), "fp8", qz)}
     if cfg.engram_layer_ids:
-        cache["engram"] = jnp.full((slots, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
+        cache["engram"] = jnp.full((slots, cache_cfg.engram_capacity(cfg)), -1, jnp.int32)
     return cache

@@ -17,6 +17,15 @@ after the decoder's KV-source layer, which has already written the decoder's blo
 token from the encoder output. Decoder windows then see no position below ``decoder_floor``, and
 ``logit_rows`` index into ``decoder_rows``.
 
+Rollback (speculative decoding): every per-request ring (SWA rows, compressor tokens, Engram
+look-back) keeps ``spec_slack`` positions to spare, so a step may write positions that a later step
+starts before again (rejected drafts); block KV entries at such positions are invisible until the
+positions are recomputed and written again.
+
+With ``capture`` (layer ids) the step also returns the DSpark target features of its tokens
+(``Captured``: the stream means entering those layers' attention sites, as ``forward_full(...,
+capture=...)`` computes them).
+
 Padding: tokens with ``token_valid = False`` and request rows whose ``req_slot`` is out of range
 write nothing (scatters drop out-of-range indices). Validation of positions, block tables and
 bucket sizes happens on the host, before this function is called (``deepinfer_jax.runner``).
@@ -97,15 +106,15 @@ def _store(x, fmt, fq, m: _Step, fake_quant: bool):
 
 
 def _engram_rows(model, cache, m: _Step):
-    """Engram table rows [1, N, L, h] from each token's own look-back (this step or the cached history)."""
+    """Engram table rows [1, N, L, h] from each token's own look-back (this step or the cached ring)."""
     cfg = model.cfg
     n = cfg.engram_max_ngram_size
-    hist = cache["engram"][m.slot]  # [N, n-1]
+    ring = cache["engram"]  # [slots, cap] token ids by position % cap
     cols, mask = [], []
     for k in range(n - 1, -1, -1):  # chronological: look-back k = n-1 .. 0
         pk = m.pos - k
         from_step = pk >= m.ctx
-        h = jnp.take_along_axis(hist, jnp.clip(n - 1 - (m.ctx - pk), 0, n - 2)[:, None], axis=1)[:, 0]
+        h = ring[m.slot, jnp.mod(pk, ring.shape[1])]
         tok = jnp.where(from_step, m.inp.token_ids[jnp.clip(m.idx - k, 0)], h)
         cols.append(jnp.maximum(tok, 0))
         mask.append((pk >= 0) & (from_step | (h >= 0)))
@@ -115,17 +124,13 @@ def _engram_rows(model, cache, m: _Step):
     return rows[:, -1][None]
 
 
-def _engram_history(cache, m: _Step, n: int):
-    """The last n-1 token ids of every request row after this step -> cache['engram'][slot]."""
-    inp = m.inp
-    old = cache["engram"][jnp.clip(inp.req_slot, 0, cache["engram"].shape[0] - 1)]  # [R, n-1]
-    p = inp.new_len[:, None] - (n - 1) + jnp.arange(n - 1)  # [R, n-1]
-    from_step = p >= inp.ctx_len[:, None]
-    tok_step = inp.token_ids[jnp.clip(inp.req_start[:, None] + (p - inp.ctx_len[:, None]), 0,
-                                      inp.token_ids.shape[0] - 1)]
-    tok_old = jnp.take_along_axis(old, jnp.clip(n - 1 - (inp.ctx_len[:, None] - p), 0, n - 2), axis=1)
-    hist = jnp.where(p < 0, -1, jnp.where(from_step, tok_step, tok_old))
-    return cache["engram"].at[inp.req_slot].set(hist, mode="drop")
+def _engram_history(cache, m: _Step):
+    """This step's token ids -> the Engram look-back ring (the last ``cap`` positions of each request)."""
+    ring = cache["engram"]
+    cap = ring.shape[1]
+    keep = m.valid & (m.pos >= m.new - cap)
+    at = (jnp.where(keep, m.inp.req_slot[m.inp.token_req], ring.shape[0]), jnp.mod(m.pos, cap))
+    return ring.at[at].set(m.inp.token_ids, mode="drop")
 
 
 def _window_keys(attn, layer, kv_new, cache, m: _Step):
@@ -149,17 +154,18 @@ def _compress(attn, x_1Nd, cache, layer, m: _Step):
     xf = x_1Nd.astype(jnp.float32)
     v, g = comp.wkv(xf)[0], comp.wgate(xf)[0]  # [N, D]
     state = cache["comp"][layer]
+    cap = state["v"].shape[1]  # a ring of ratio + spec_slack positions
     vs, gs = [], []
     for k in range(r):
         pk = m.pos - (r - 1) + k
         in_step = (pk >= m.ctx)[:, None]
         src = jnp.clip(m.idx - (r - 1 - k), 0)
-        vs.append(jnp.where(in_step, v[src], state["v"][m.slot, jnp.mod(pk, r)]))
-        gs.append(jnp.where(in_step, g[src], state["g"][m.slot, jnp.mod(pk, r)]))
+        vs.append(jnp.where(in_step, v[src], state["v"][m.slot, jnp.mod(pk, cap)]))
+        gs.append(jnp.where(in_step, g[src], state["g"][m.slot, jnp.mod(pk, cap)]))
     values, gates = jnp.stack(vs, 1), jax.nn.softmax(jnp.stack(gs, 1), axis=1)
     latent = comp.norm(jnp.sum(values * gates, axis=1).astype(x_1Nd.dtype))
-    pending = m.valid & (m.pos >= m.new - jnp.mod(m.new, r))
-    at = (jnp.where(pending, m.inp.req_slot[m.inp.token_req], m.cache_cfg.max_requests), jnp.mod(m.pos, r))
+    keep = m.valid & (m.pos >= m.new - cap)
+    at = (jnp.where(keep, m.inp.req_slot[m.inp.token_req], m.cache_cfg.max_requests), jnp.mod(m.pos, cap))
     new_state = {"v": state["v"].at[at].set(v, mode="drop"), "g": state["g"].at[at].set(g, mode="drop")}
     return latent, {**cache["comp"], layer: new_state}
 
@@ -214,8 +220,21 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
     return attn.output(o[None], angles), shared, cache
 
 
-def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInputs):
-    """(logits [M, V] fp32, updated cache). ``cfg`` and ``cache_cfg`` are static under jit; donate ``cache``."""
+class Captured(NamedTuple):
+    """DSpark target features of a step's tokens (``paged_step(..., capture=...)``): the rows that ran
+    the capture layers (every token, or the decoder rows under decoder bounded replay)."""
+
+    feats: jax.Array  # [N', len(capture) * d] stream means entering each capture layer's attention site
+    positions: jax.Array  # [N']
+    req_slot: jax.Array  # [N'] the token's slot (>= max_requests for padding rows)
+    valid: jax.Array  # [N'] bool
+    new_len: jax.Array  # [N'] new_len of the token's request
+
+
+def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInputs, capture: tuple[int, ...] = ()):
+    """(logits [M, V] fp32, updated cache), plus ``Captured`` features when ``capture`` (backbone layer
+    ids, e.g. ``cfg.dspark_target_layer_ids``) is given. ``cfg``, ``cache_cfg`` and ``capture`` are
+    static under jit; donate ``cache``."""
     model = nnx.merge(_graphdef(cfg), params)
     inp = inputs
     n = inp.token_ids.shape[0]
@@ -234,11 +253,14 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
     rows = _engram_rows(model, cache, m) if cfg.engram_layer_ids else None
     shared = _Shared()
     m_all = m
+    taps: list = []  # (features [N, d], taken before the step narrowed to the decoder rows)
     for layer, block in enumerate(model.layers):
         if inp.decoder_rows is not None and layer == cfg.decoder_start + 1:
             m, streams, pre, shared = _to_decoder_rows(m, streams, pre, shared, inp)
         if block.engram_index is not None:
             streams = block.engram(streams, rows[:, :, block.engram_index])
+        if layer in capture:
+            taps.append((jnp.mean(streams[0].astype(jnp.float32), axis=1).astype(streams.dtype), m is m_all))
         attn_mix = block.mix("attn", streams)
         out, shared, cache = _attention_step(block.attn, layer, block.attn_norm(mhc.collapse(streams, pre)),
                                              shared, cache, m, cfg)
@@ -248,10 +270,14 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
         streams = mhc.expand(out, streams, ffn_mix)
         pre = ffn_mix.pre
     if cfg.engram_layer_ids:
-        cache = {**cache, "engram": _engram_history(cache, m_all, cfg.engram_max_ngram_size)}
+        cache = {**cache, "engram": _engram_history(cache, m_all)}
     h = model.norm(mhc.collapse(streams[:, inp.logit_rows], pre[:, inp.logit_rows]))[0]
     logits = matmul_t(h.astype(jnp.float32), model.head.weight[...].astype(jnp.float32))
-    return logits, cache
+    if not capture:
+        return logits, cache
+    narrowed = m is not m_all
+    feats = jnp.concatenate([t[inp.decoder_rows] if narrowed and early else t for t, early in taps], axis=-1)
+    return logits, cache, Captured(feats, m.pos, m.inp.req_slot[m.inp.token_req], m.valid, m.new)
 
 
 def _to_decoder_rows(m: _Step, streams, pre, shared: _Shared, inp: StepInputs):

@@ -82,8 +82,9 @@ def _threshold_bits(p_bits, p, top_p, top_k):
     return lo_p, lo_k
 
 
-def _sample_row(search, logits_V, temperature, top_k, top_p, min_p, key):
-    """One row: the filters as thresholds on the probabilities, then Gumbel-max in token order.
+def _filter(search, logits_V, temperature, top_k, top_p, min_p):
+    """(scaled logits, kept tokens [V] bool, greedy id) of one row: the filters as thresholds on the
+    probabilities of ``softmax(logits / T)``; the most likely token is always kept.
 
     ``search`` (one flag for the whole batch) is False when no row uses top-p or top-k; the
     threshold search is then skipped, which changes nothing for any row."""
@@ -100,9 +101,24 @@ def _sample_row(search, logits_V, temperature, top_k, top_p, min_p, key):
     keep &= (p_bits >= tk) | (top_k <= 0)
     keep &= p >= min_p * jnp.max(p)
     keep |= jnp.arange(vocab) == greedy  # the most likely token is always allowed
-    gumbel = jax.random.gumbel(key, (vocab,), jnp.float32)
+    return scaled, keep, greedy
+
+
+def _sample_row(search, logits_V, temperature, top_k, top_p, min_p, key):
+    """One row: the filters, then Gumbel-max in token order."""
+    scaled, keep, greedy = _filter(search, logits_V, temperature, top_k, top_p, min_p)
+    gumbel = jax.random.gumbel(key, scaled.shape, jnp.float32)
     sampled = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf)).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def filtered_probs(search, logits_V, temperature, top_k, top_p, min_p) -> jax.Array:
+    """The distribution ``_sample_row`` draws from, as probabilities [V]: ``softmax(logits / T)``
+    restricted to the kept tokens and renormalised (temperature 0: one-hot at the argmax)."""
+    scaled, keep, greedy = _filter(search, logits_V, temperature, top_k, top_p, min_p)
+    p = jnp.where(keep, jax.nn.softmax(scaled), 0.0)
+    p = p / jnp.sum(p)
+    return jnp.where(temperature > 0, p, (jnp.arange(p.shape[0]) == greedy).astype(jnp.float32))
 
 
 def sample_tokens(logits_RV, keys_R, temperature, top_k, top_p, min_p) -> jax.Array:

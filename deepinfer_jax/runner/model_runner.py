@@ -74,12 +74,10 @@ def _snapshot(cache, slot):
     return jax.tree.map(lambda a: a[:, slot], cache["swa"])
 
 
-def _restore(cache, slot, rows, engram_ids):
-    """Write a saved ring into ``slot`` and set its Engram look-back to ``engram_ids`` [n-1]."""
+def _restore(cache, slot, rows, engram_pos, engram_ids):
+    """Write a saved ring into ``slot`` and its Engram look-back (``_set_engram``)."""
     cache = {**cache, "swa": jax.tree.map(lambda a, r: a.at[:, slot].set(r), cache["swa"], rows)}
-    if "engram" in cache:
-        cache["engram"] = cache["engram"].at[slot].set(engram_ids)
-    return cache
+    return _set_engram(cache, slot, engram_pos, engram_ids)
 
 
 def _read_blocks(cache, block_ids):
@@ -92,8 +90,13 @@ def _write_blocks(cache, block_ids, rows):
     return {**cache, "global": jax.tree.map(lambda a, r: a.at[block_ids].set(r, mode="drop"), cache["global"], rows)}
 
 
-def _set_engram(cache, slot, engram_ids):
-    return {**cache, "engram": cache["engram"].at[slot].set(engram_ids)} if "engram" in cache else cache
+def _set_engram(cache, slot, engram_pos, engram_ids):
+    """Put token ``engram_ids`` [n-1] at positions ``engram_pos`` [n-1] of ``slot``'s Engram ring (-1 = none)."""
+    if "engram" not in cache:
+        return cache
+    ring = cache["engram"]
+    at = (jnp.where(engram_pos >= 0, slot, ring.shape[0]), jnp.mod(engram_pos, ring.shape[1]))
+    return {**cache, "engram": ring.at[at].set(engram_ids, mode="drop")}
 
 
 @dataclass
@@ -163,8 +166,8 @@ class ModelRunner:
         with ``sampling`` the engine's sampling step. ``progress(i, total)`` is called per bucket."""
         shapes = self.buckets.shapes()
         if sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
-            self.restore_swa(0, self.snapshot_swa(0), [])
-            self.restore_swa(0, None, [])
+            self.restore_swa(0, self.snapshot_swa(0), [], 0)
+            self.restore_swa(0, None, [], 0)
             self.block_payloads(self.read_blocks([0]))
             self.write_blocks([0], self.block_payloads(self.read_blocks([0])))
         if sampling and self.decoder_replay:  # every decoder-token bucket that fits each token bucket
@@ -186,22 +189,26 @@ class ModelRunner:
     def to_host(snapshot):
         return jax.tree.map(np.asarray, snapshot)
 
-    def _engram_ids(self, engram_ids: Sequence[int]) -> np.ndarray:
-        n = self.cfg.engram_max_ngram_size - 1 if self.cfg.engram_layer_ids else 0
-        ids = np.full(max(n, 1), -1, np.int32)
-        if n:
-            tail = list(engram_ids)[-n:]
+    def _engram_ids(self, engram_ids: Sequence[int], position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, ids) [n-1] of the look-back before ``position``: the last n-1 of ``engram_ids``,
+        missing ones at position -1 (written nowhere)."""
+        n = max(1, self.cfg.engram_max_ngram_size - 1) if self.cfg.engram_layer_ids else 1
+        ids, pos = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+        tail = list(engram_ids)[-n:] if self.cfg.engram_layer_ids else []
+        if tail:
             ids[n - len(tail):] = tail
-        return ids[:n] if n else ids
+            pos[n - len(tail):] = np.arange(position - len(tail), position)
+        return pos, ids
 
-    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int]) -> None:
+    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int], position: int) -> None:
         """Put a saved ring (from ``snapshot_swa``, on device or host) into ``slot`` before its next step,
-        with the Engram look-back (the n-1 token ids before the restored position, -1 for none);
+        with the Engram look-back (the token ids just before ``position``, the restored length);
         ``snapshot=None`` sets only the look-back (a bounded replay rebuilds the window)."""
+        pos, ids = self._engram_ids(engram_ids, position)
         if snapshot is None:
-            self.cache = self._set_engram_fn(self.cache, np.int32(slot), self._engram_ids(engram_ids))
+            self.cache = self._set_engram_fn(self.cache, np.int32(slot), pos, ids)
         else:
-            self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, self._engram_ids(engram_ids))
+            self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, pos, ids)
 
     def _io_ids(self, block_ids: Sequence[int], pad: int) -> list[np.ndarray]:
         """Block ids in fixed-size groups (one compiled shape), padded with ``pad``."""

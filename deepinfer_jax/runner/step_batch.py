@@ -40,6 +40,14 @@ class ChunkSpec:
     ``decoder_from`` / ``decoder_floor``: decoder bounded replay (runners built with
     ``decoder_replay``): only tokens at or past ``decoder_from`` run the decoder layers, whose windows
     see nothing below ``decoder_floor``.
+
+    Speculative rows (``SpecRunner`` only): ``verify`` marks a decoding request whose tokens come from
+    the device (its anchor and up to ``max_drafts`` drafts of its slot; ``token_ids`` is ignored and
+    ``ctx_len`` is an upper bound of the anchor position, so the blocks must cover
+    ``min(ctx_len + 1 + max_drafts, limit)`` tokens). ``forced``: always verify all ``max_drafts``
+    (deterministic requests). ``limit``: the most tokens the sequence may reach (max_model_len).
+    ``prompt_len``: the request's prompt length (verified tokens' output positions). ``ctx_from``: host
+    chunks: the first position the request computed since admission (the drafter's context starts there).
     """
 
     slot: int
@@ -53,6 +61,12 @@ class ChunkSpec:
     global_write_from: int = 0
     decoder_from: int = 0
     decoder_floor: int = 0
+    verify: bool = False
+    max_drafts: int = 0
+    forced: bool = False
+    limit: int = 0
+    prompt_len: int = 0
+    ctx_from: int = 0
     offsets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
@@ -116,7 +130,7 @@ def check_chunks(chunks: Sequence[ChunkSpec], cfg, cache_cfg) -> None:
             raise StepInputError(f"{where}: ctx_len must be >= 0")
         if len(c.block_table) == 0:
             raise StepInputError(f"{where}: the request has no blocks")
-        end = c.ctx_len + len(c.token_ids)
+        end = min(c.ctx_len + 1 + c.max_drafts, c.limit) if c.verify else c.ctx_len + len(c.token_ids)
         if end > len(c.block_table) * bs:
             raise StepInputError(f"{where}: position {end - 1} lies beyond its {len(c.block_table)} allocated "
                                  f"blocks ({len(c.block_table) * bs} tokens)")
@@ -129,6 +143,8 @@ def check_chunks(chunks: Sequence[ChunkSpec], cfg, cache_cfg) -> None:
             raise StepInputError(f"{where}: window_floor must lie in [0, ctx_len], global_write_from >= 0")
         if any(not 0 <= o < len(c.token_ids) for o in c.offsets):
             raise StepInputError(f"{where}: logits offsets must lie in [0, {len(c.token_ids)})")
+        if c.verify and (c.max_drafts < 0 or c.limit < 1 or c.sample is None):
+            raise StepInputError(f"{where}: a verify row needs max_drafts >= 0, limit >= 1 and a sample spec")
 
 
 def validate_chunks(chunks: Sequence[ChunkSpec], cfg, cache_cfg, buckets: Buckets) -> tuple[int, int, int]:

@@ -1,0 +1,113 @@
+"""The engine's speculative-decoding bookkeeping (host only): each step's verification plan, the verify
+rows as ``ChunkSpec``s, and what the results teach (acceptance per depth, step times).
+
+``SpecDecoding.plan`` asks the verification policy (``engine.spec_policy``) for the caps, forced flags
+and budget of the step's verify rows; a row verifies no drafts when its request is constrained by a
+grammar (its token mask covers one position) or its slot holds no fresh drafts. It also decides
+whether the step drafts again: when the policy would verify nothing in a step like this one even with
+fresh drafts (e.g. at high load, where verifying costs more than it gains), the drafter is skipped
+and the next step decodes plainly, paying nothing for speculation. ``observe`` takes a reconciled
+step back: per row the drafts verified and accepted (against the survival the plan assumed), the
+confidences of its next drafts (the next plan's estimate, one step stale under asynchronous
+scheduling), and the step's device time for its token bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deepinfer_jax.engine.spec_policy import AcceptanceStats, StepTimes, VerifyPlan, VerifyPolicy, VerifyRow
+
+__all__ = ["SpecDecoding", "SpecStats"]
+
+
+@dataclass
+class SpecStats:
+    """Counters of speculative decoding (in ``llm.stats``)."""
+
+    verify_rows: int = 0  # verify rows reconciled
+    drafts_verified: int = 0
+    drafts_accepted: int = 0
+    tokens: int = 0  # tokens the verify rows produced (accepted + 1 each, before stop truncation)
+    budgets: list = field(default_factory=list, repr=False)  # the budget of each planned step
+
+
+@dataclass
+class _Planned:
+    """What a step's plan assumed, kept until the step is reconciled."""
+
+    survival: dict  # chunk index -> the survival estimate used (or None)
+    tokens: int  # the step's planned flat tokens (host chunks + verify rows + forced + budget)
+
+
+class SpecDecoding:
+    """Plans verification with a policy, and learns from the results."""
+
+    def __init__(self, policy: VerifyPolicy, k: int, times: StepTimes, stats: AcceptanceStats) -> None:
+        self.policy, self.k, self.times, self.acceptance = policy, k, times, stats
+        self.stats = SpecStats()
+
+    def plan(self, chunks: Sequence) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
+        """(the policy's plan, chunk index -> (cap, forced) for the verify rows, what to remember, whether
+        the step drafts the next blocks)."""
+        idx = [i for i, c in enumerate(chunks) if c.verify]
+        rows, could = [], []
+        for i in idx:
+            c = chunks[i]
+            r = c.request
+            cap = 0 if r.matcher is not None else min(self.k, c.num_tokens - 1)
+            row = VerifyRow(max_drafts=cap, deterministic=r.params.seed is not None, greedy=r.params.temperature == 0,
+                            survival=_survival(r.next_conf) if r.has_drafts else None)
+            could.append(row)
+            rows.append(row if r.has_drafts else VerifyRow(0, row.deterministic, row.greedy))
+        host_tokens = sum(c.num_tokens for c in chunks if not c.verify)
+        plan = self.policy.plan(rows, host_tokens)
+        caps = {i: (cap, forced) for i, cap, forced in zip(idx, plan.caps, plan.forced)}
+        self.stats.budgets.append(plan.budget)
+        tokens = host_tokens + len(idx) + sum(c for c, f in zip(plan.caps, plan.forced) if f) + plan.budget
+        draft = self._worth_drafting(could, host_tokens)
+        for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
+            if c.sample:
+                c.request.has_drafts = draft and c.request.matcher is None
+        return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens), draft
+
+    def _worth_drafting(self, rows: Sequence[VerifyRow], host_tokens: int) -> bool:
+        """Whether a step like this one, with fresh drafts everywhere, would verify any."""
+        if not rows:
+            return True  # new requests only: their first verification decides
+        hypo = self.policy.plan(rows, host_tokens)
+        return hypo.budget > 0 or any(c > 0 and f for c, f in zip(hypo.caps, hypo.forced))
+
+    def observe(self, chunks: Sequence, results, pending, planned: _Planned, device_ns: float) -> None:
+        """Take a reconciled step's verify rows and time back."""
+        self.times.observe(planned.tokens, device_ns)
+        for i, (c, res) in enumerate(zip(chunks, results)):
+            r = c.request
+            if res is not None and len(pending.confidence) > i:
+                r.next_conf = pending.confidence[i]
+            if not c.verify or res is None or not res:
+                continue
+            verified = pending.verified[i]
+            accepted = len(res) - 1
+            s = self.stats
+            s.verify_rows += 1
+            s.drafts_verified += verified
+            s.drafts_accepted += accepted
+            s.tokens += len(res)
+            self.acceptance.observe(r.params.temperature == 0, verified, accepted, planned.survival.get(i))
+
+    def summary(self) -> dict:
+        s = self.stats
+        return {"spec_policy": self.policy.name, "spec_verify_rows": s.verify_rows,
+                "spec_drafts_verified": s.drafts_verified, "spec_drafts_accepted": s.drafts_accepted,
+                "spec_acceptance": s.drafts_accepted / s.drafts_verified if s.drafts_verified else None,
+                "spec_tokens_per_row": s.tokens / s.verify_rows if s.verify_rows else None,
+                "spec_acceptance_by_depth": self.acceptance.acceptance_rate(),
+                "spec_mean_budget": float(np.mean(s.budgets)) if s.budgets else None}
+
+
+def _survival(conf) -> np.ndarray | None:
+    return None if conf is None else np.cumprod(np.clip(np.asarray(conf, float), 0.0, 1.0))
