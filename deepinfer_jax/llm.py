@@ -83,6 +83,7 @@ class LLM:
             from deepinfer_jax import sharding as sh
 
             self.sharding_preset = sh.resolve_preset(ec.sharding)
+            self.sharding_preset.validate_engine()  # the EP MoE's layout (eplb.enabled)
             self.mesh = sh.make_mesh(self.sharding_preset)
         if params is not None:
             if config is None:
@@ -296,7 +297,8 @@ class LLM:
                 **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {})}
 
     def _dp_stats(self) -> dict:
-        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding."""
+        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding; with the EP MoE the
+        ``eplb_*`` keys (``DPEngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one)."""
         e = self.engine
         return {"dp_rank_requests": list(e.rank_requests), "dp_rank_tokens": list(e.rank_tokens),
-                "dp_rank_idle_steps": list(e.rank_idle_steps)}
+                "dp_rank_idle_steps": list(e.rank_idle_steps), **e.eplb_stats()}

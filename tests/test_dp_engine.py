@@ -1,6 +1,7 @@
 """Attention data parallel in the engine (issue 7 item 2): the router, the per-rank engine core against a
 fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the one-device engine on 8 fake
-CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1.
+CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1; EPLB inside the running engine (item 4): a rebalance
+mid-run changes no output, the step's counts conserve every pair, the weights really move.
 
 The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
 be set before jax starts, and this process keeps its single CPU device.
@@ -216,7 +217,11 @@ def test_each_rank_holds_its_own_cache_and_the_experts_split_over_ep(checks, pre
     dp = row["dp_size"]
     ep = 8 // dp
     assert row["cache_shape"][0] == dp and row["cache_shard"][0] == 1 and row["cache_spec"].startswith("P('dp'")
-    assert row["manual_axes"] == ["dp"]  # one program per rank along dp; ep left to GSPMD
+    # ep > 1 (eplb.enabled in these presets): the EP MoE, one program per device over the whole mesh, the experts
+    # in EPLB's physical slots (8 experts + 1 redundant slot per EP rank); ep == 1: one program per rank along dp
+    assert row["ep_moe"] == (ep > 1)
+    assert row["manual_axes"] == (["dp", "ep"] if ep > 1 else ["dp"])
+    assert row["experts_w1_shape"][0] == (8 + ep if ep > 1 else 8)
     assert row["experts_w1_shard"][0] == row["experts_w1_shape"][0] // ep
     assert sum(row["rank_requests"]) == 11 and len(row["rank_requests"]) == dp and min(row["rank_requests"]) >= 1
 
@@ -235,8 +240,46 @@ def test_uneven_ranks_idle_while_others_run(checks):
     assert sum(row["rank_idle_steps"]) > 0 and len(set(row["rank_tokens"])) > 1, row
 
 
+# ---- EPLB inside the running engine (the same subprocess) --------------------------------------------
+
+
+def test_a_rebalance_mid_run_changes_no_output(checks):
+    forced, never, vs = checks["eplb_forced"], checks["eplb_never"], checks["eplb_vs_no_rebalance"]
+    assert forced["rebalances"] >= 2 and never["rebalances"] == 0, (forced, never)
+    assert forced["eplb_steps"] == forced["steps"] > 2 * 3  # every step recorded; several periods of 3 steps
+    for row in (forced, never):  # both equal one device, asynchronous and synchronous loops
+        assert row["ids_equal"] and row["reasons_equal"] and row["sync_ids_equal"], row
+        assert row["max_logprob_diff"] < 1e-5 and row["sync_max_logprob_diff"] < 1e-5, row
+        assert not row["recompiled"], row  # new tables are arguments; the weight move was compiled at start-up
+    assert vs["ids_equal"] and vs["num_logprobs"] > 0 and vs["max_logprob_diff"] < 1e-5, vs
+    assert vs["sync_max_logprob_diff"] < 1e-5, vs
+
+
+def test_the_rebalance_really_moved_experts_and_made_replicas(checks):
+    forced, never = checks["eplb_forced"], checks["eplb_never"]
+    assert forced["placement_changed"] and not never["placement_changed"]
+    assert forced["max_replicas"] > 1 and forced["moved_weights_exact"], forced
+    assert forced["slots_per_rank"] == forced["n_experts"] // forced["ep_size"] + 1
+
+
+def test_engine_counts_conserve_every_token_expert_pair(checks):
+    for row in (checks["eplb_forced"], checks["eplb_never"]):
+        assert row["pairs_per_layer"] == [row["expected_pairs"]] * 5, row  # 5 MoE layers, padding not counted
+    assert checks["eplb_vs_no_rebalance"]["same_expert_load"]  # identical routing whatever the placement
+
+
+def test_engine_reports_moe_lb_per_layer(checks):
+    forced = checks["eplb_forced"]
+    for key in ("moe_lb", "moe_lb_before", "moe_lb_after"):
+        assert len(forced[key]) == 5 and all(v >= 1.0 for v in forced[key]), (key, forced[key])
+    never = checks["eplb_never"]
+    assert len(never["moe_lb"]) == 5 and never["moe_lb_before"] is None  # no rebalance was ever due
+
+
 def test_bad_presets_give_a_clear_error(checks):
     row = checks["too_many_devices"]
     assert row["error"] == "ShardingError" and row["field"] == "mesh.shape" and "16 devices" in row["message"]
     row = checks["experts_not_divisible"]
     assert row["error"] == "ShardingError" and row["field"] == "parallel.ep_size" and "n_routed_experts 8" in row["message"]
+    row = checks["eplb_with_tp"]  # the EP MoE runs one program per device: no tensor parallel
+    assert row["error"] == "ShardingError" and row["field"] == "eplb.enabled" and "['tp']" in row["message"], row

@@ -8,6 +8,12 @@ ranks step together in one jitted program; idle ranks run padding) and reconcile
 tokens exactly as ``EngineCore`` does: synchronous, or asynchronous with the host one step behind
 (engine.md §2.2). Request validation, stop rules, outputs and statistics are ``EngineCore``'s.
 
+EPLB (engine.md §3), when the runner runs the EP MoE (``DPRunner.placement`` is set): each reconciled
+step's per-slot pair counts go into a ``parallel.eplb_policy.Rebalancer`` (window and period from the
+preset's ``eplb`` settings); when a rebalance is due it computes the new placement and the runner moves
+the expert weights before the next step is dispatched (steps already in flight finish on the old ones;
+no token is dropped or recomputed). ``eplb_stats()`` reports the balance (``LLM.stats``' ``eplb_*`` keys).
+
 Not supported with DP yet (each refused with a clear error naming the setting): prefix caching
 (``enable_prefix_caching``), structured output (``SamplingParams.structured_output``, a
 ``RequestError``), cost-model chunking (``chunking="cost"``) and decoder bounded replay
@@ -18,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
@@ -28,11 +35,17 @@ from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.engine.request import Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.parallel.eplb_policy import RebalancePolicy, Rebalancer
 
 if TYPE_CHECKING:
     from deepinfer_jax.runner.dp_runner import DPRunner
 
 __all__ = ["DPEngineCore"]
+
+
+@dataclass
+class _DPInFlight(_InFlight):
+    forward: Any = None  # the runner's DPForward when EPLB reads its slot counts
 
 
 class DPEngineCore(EngineCore):
@@ -65,6 +78,14 @@ class DPEngineCore(EngineCore):
         self.rank_requests = [0] * len(schedulers)
         self.rank_tokens = [0] * len(schedulers)
         self.rank_idle_steps = [0] * len(schedulers)
+        #: The EPLB loop (None without the EP MoE); its ``placement`` is the one the next step runs with.
+        self.eplb: Rebalancer | None = None
+        placement = getattr(runner, "placement", None)
+        if placement is not None:
+            knobs = runner.preset.eplb
+            policy = RebalancePolicy(redundant_per_rank=knobs.redundant_slots_per_rank, window=knobs.window_steps,
+                                     period=knobs.rebalance_period)
+            self.eplb = Rebalancer(placement.n_layers, placement.n_experts, placement.n_ranks, policy, placement)
 
     # ---- requests ----
     def validate(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> list[int]:
@@ -109,7 +130,7 @@ class DPEngineCore(EngineCore):
                                preempted=[r for p in plans for r in p.preempted])
         if plan.chunks:
             fwd = self.runner.forward([[self._spec(c) for c in p.chunks] for p in plans])
-            launched = _InFlight(plan, None, time.perf_counter())
+            launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
             launched.pending = self.runner.sample(fwd)
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
@@ -117,6 +138,31 @@ class DPEngineCore(EngineCore):
                 self.rank_tokens[d] += p.num_tokens
                 self.rank_idle_steps[d] += not p.chunks
         return self._close_step(plan, t0, host0, prev, launched, finished)
+
+    def _reconcile(self, step: _InFlight, on_tokens=None) -> list[RequestOutput]:
+        finished = super()._reconcile(step, on_tokens)
+        fwd = getattr(step, "forward", None)
+        if self.eplb is not None and fwd is not None:  # the step's expert load; maybe a rebalance before the next
+            new = self.eplb.record_slots(self.runner.slot_counts(fwd), fwd.placement)
+            if new is not None:
+                self.runner.set_placement(new)
+        return finished
+
+    def eplb_stats(self) -> dict:
+        """EPLB counters (empty without the EP MoE), lists per MoE layer: ``eplb_steps`` recorded,
+        ``eplb_rebalances`` (placements that changed), ``eplb_moe_lb`` (max rank load / mean rank load over the
+        current window, measured from the slot counts), ``eplb_moe_lb_before`` (the same, measured at the latest
+        due rebalance, just before it) and ``eplb_moe_lb_after`` (that window's load under the new placement,
+        split evenly over the copies: expected, not measured), ``eplb_max_replicas`` (most copies of one expert
+        in the current placement)."""
+        reb = self.eplb
+        if reb is None:
+            return {}
+        as_list = lambda a: None if a is None else [float(x) for x in a]
+        return {"eplb_steps": reb.stats.steps, "eplb_rebalances": reb.rebalances,
+                "eplb_moe_lb": as_list(reb.window_moe_lb()), "eplb_moe_lb_before": as_list(reb.last_measured_moe_lb),
+                "eplb_moe_lb_after": as_list(reb.last_expected_moe_lb),
+                "eplb_max_replicas": int(reb.placement.replica_count.max())}
 
     def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
         self.schedulers[self._rank.pop(r.request_id)].finish(r, reason, stop_reason)

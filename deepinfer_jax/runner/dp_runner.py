@@ -19,6 +19,18 @@ Sampling is one program over the ``dp x rows`` logits (``model_runner._sample_ro
 ids stay on the device in a ``[dp, slots]`` buffer and feed the next step by rank and slot
 (``ChunkSpec.feed_last``), as in ``ModelRunner``.
 
+**Expert parallelism with EPLB** (``ep_size > 1`` and the preset's ``eplb.enabled``): the step instead runs
+as one program per device (``shard_map`` manual over every mesh axis). Each MoE layer goes through the
+EP MoE (``parallel.ep_model.step_experts`` -> ``parallel.ep_moe.ep_moe_local``): a rank's tokens are
+split over the EP devices that replicate them, each (token, expert) pair travels to a replica of its
+expert by the preset's dispatch and comes back. The experts' weights are held in the physical slots of
+an EPLB placement (``placement``: logical experts + ``redundant_slots_per_rank`` per EP rank, identity
+at the start) and every layer's routing tables are a jit argument (``tables``), so ``set_placement``
+(weights moved between ranks by ``weight_moves.move_params``, new tables) never recompiles. The step also
+returns every layer's pair count per physical slot (padding excluded), fetched by ``slot_counts``.
+Needs a single EP mesh axis and no parameter split over another axis (no ``tp``), else ``ShardingError``
+naming ``eplb.enabled``; with ``eplb.enabled = false`` or ``ep_size == 1`` the step is the GSPMD one above.
+
 Not supported here (yet): the logits-only ``execute``, structured-output token masks, prefix-cache block
 and window copies, decoder bounded replay. Single process: host inputs are placed with ``jit`` shardings.
 """
@@ -37,6 +49,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from deepinfer_jax import sharding as sh
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.sampler import SamplingInputs
+from deepinfer_jax.parallel import ep_model, weight_moves
+from deepinfer_jax.parallel.ep_moe import TABLES
+from deepinfer_jax.parallel.eplb import Placement, identity_placement
 from deepinfer_jax.runner.buckets import Buckets
 from deepinfer_jax.runner.model_runner import _TRACES, PendingStep, _forward_step, _sample_rows
 from deepinfer_jax.runner.step_batch import (
@@ -69,6 +84,26 @@ def _dp_sample(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot)
     return out, flat.reshape(last_ids.shape)
 
 
+def _dp_forward_ep(cfg, cache_cfg, spec, params, tables, cache, last_ids, feed, inputs):
+    """One device's share of the EP step (inside ``shard_map`` manual over the whole mesh): the leading dp axis of
+    cache / last_ids / feed / inputs has size 1 (this device's DP rank); ``params`` holds this device's expert
+    slots. -> (logits [1, R, V], the new cache, slot counts [L, P] of the whole mesh)."""
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    inp = first(inputs)
+    with ep_model.step_experts(spec, tables, inp.token_valid) as ep:
+        logits, cache = _forward_step(params, cfg, cache_cfg, first(cache), last_ids[0], feed[0], inp)
+        counts = ep.slot_counts()
+    return logits[None], jax.tree.map(lambda a: a[None], cache), counts
+
+
+def _ep_spec(preset, mesh: Mesh) -> ep_model.StepSpec:
+    """The EP step's static layout (the preset passed ``validate_engine``)."""
+    sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)
+    split = tuple(a for a, n in sizes if a not in preset.dp_axes and n > 1)  # a rank's tokens are replicated there
+    config = ep_model.EPConfig(dispatch=preset.eplb.dispatch, ep_axis=preset.ep_axes[0])
+    return ep_model.StepSpec(config=config, axis_sizes=sizes, split_axes=split)
+
+
 def _manual_axes(preset, param_sh) -> tuple[str, ...]:
     """The DP mesh axes that no parameter is split over: the step runs as one program per rank along them."""
     used = set()
@@ -89,6 +124,29 @@ def _per_rank(fn, mesh: Mesh, manual: tuple[str, ...]):
                          axis_names=set(manual), check_vma=False)
 
 
+@functools.lru_cache(maxsize=8)
+def _programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple[str, ...], ep_spec,
+              param_specs: tuple, param_treedef):
+    """The jitted (model step, sampling program) of one model, cache layout, mesh and parameter layout. Cached:
+    a second runner over the same layout (another engine, a preset differing only in EPLB timing) reuses the
+    compiled programs instead of tracing and compiling them again."""
+    dp = NamedSharding(mesh, PartitionSpec(dp_axes or None))
+    param_sh = jax.tree_util.tree_unflatten(param_treedef, [NamedSharding(mesh, s) for s in param_specs])
+    if ep_spec is None:
+        step = _per_rank(functools.partial(_dp_forward, cfg, cache_cfg), mesh, manual)
+        forward = jax.jit(step, donate_argnums=(1,), in_shardings=(param_sh, dp, dp, dp, dp), out_shardings=(dp, dp))
+    else:
+        dps, repl = PartitionSpec(dp_axes or None), PartitionSpec()
+        step = jax.shard_map(functools.partial(_dp_forward_ep, cfg, cache_cfg, ep_spec), mesh=mesh,
+                             in_specs=(jax.tree_util.tree_unflatten(param_treedef, param_specs), repl, dps, dps, dps,
+                                       dps),
+                             out_specs=(dps, dps, repl), axis_names=set(manual), check_vma=False)
+        replicated = NamedSharding(mesh, repl)
+        forward = jax.jit(step, donate_argnums=(2,), in_shardings=(param_sh, replicated, dp, dp, dp, dp),
+                          out_shardings=(dp, dp, replicated))
+    return forward, jax.jit(_dp_sample, static_argnums=(0,), out_shardings=(None, dp))
+
+
 def _stacked_cache(cfg, cache_cfg, dp: int):
     """``init_cache`` repeated ``dp`` times along a new leading axis."""
     return jax.tree.map(lambda a: jnp.broadcast_to(a[None], (dp, *a.shape)), init_cache(cfg, cache_cfg))
@@ -105,6 +163,8 @@ class DPForward:
     chunks: list  # every rank's chunks, rank by rank
     chunk_rows: list[int]
     rows: int  # dp * the request bucket (the sampling program's rows)
+    slot_counts: jax.Array | None = None  # EP step: [L, P] int32 pairs per physical slot (``DPRunner.slot_counts``)
+    placement: Placement | None = None  # EP step: the placement the step ran with
 
 
 class DPRunner:
@@ -122,28 +182,68 @@ class DPRunner:
         self.num_top_logprobs = num_top_logprobs
         self.mask_words = (cfg.vocab_size + 31) // 32
         dp = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
+        #: The EPLB placement of the experts' physical slots (None: the GSPMD step, no EP MoE).
+        self.placement: Placement | None = None
+        if preset.engine_expert_parallel:
+            preset.validate_engine()
+            self.placement = identity_placement(cfg.num_hidden_layers, cfg.n_routed_experts, preset.ep_size,
+                                                preset.eplb.redundant_slots_per_rank)
+            params = weight_moves.physical_params(params, self.placement)
         param_sh = sh.param_shardings(params, mesh, preset)
         self.params = sh.shard_params(params, mesh, preset)
         self.cache = jax.jit(functools.partial(_stacked_cache, cfg, cache_cfg, self.dp_size), out_shardings=dp)()
         self.last_ids = jax.jit(lambda: jnp.zeros((self.dp_size, cache_cfg.max_requests), jnp.int32),
                                 out_shardings=dp)()
-        self.manual_axes = _manual_axes(preset, param_sh)
-        step = _per_rank(functools.partial(_dp_forward, cfg, cache_cfg), mesh, self.manual_axes)
-        self._forward_fn = jax.jit(step, donate_argnums=(1,), in_shardings=(param_sh, dp, dp, dp, dp),
-                                   out_shardings=(dp, dp))
-        self._sample_fn = jax.jit(_dp_sample, static_argnums=(0,), out_shardings=(None, dp))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        if self.placement is None:
+            self.ep_spec = None
+            self.manual_axes = _manual_axes(preset, param_sh)
+        else:
+            self.ep_spec = _ep_spec(preset, mesh)
+            self.manual_axes = tuple(mesh.axis_names)
+            self.tables = self._device_tables(self.placement)
+        flat, treedef = jax.tree_util.tree_flatten(param_sh)
+        self._forward_fn, self._sample_fn = _programs(cfg, cache_cfg, mesh, preset.dp_axes, self.manual_axes,
+                                                      self.ep_spec, tuple(x.spec for x in flat), treedef)
         self._no_mask: dict[int, jax.Array] = {}
 
     @property
     def traces(self) -> int:
-        """How many times a step or sampling program has been traced (compiled) in this process."""
-        return _TRACES[0]
+        """How many times a step, sampling or weight-move program has been traced (compiled) in this process."""
+        return _TRACES[0] + weight_moves.TRACES[0]
+
+    # -- EPLB ----------------------------------------------------------------------------------
+    def _device_tables(self, placement: Placement) -> dict:
+        """Every layer's routing tables [L, ...] int32, replicated on the mesh (the EP step's argument)."""
+        host = {k: np.ascontiguousarray(getattr(placement, k), np.int32) for k in TABLES}
+        return sh.place(host, {k: self._replicated for k in host})
+
+    def set_placement(self, new: Placement) -> None:
+        """Move the experts' weights to ``new`` (between steps; the steps already dispatched keep the old ones) and
+        route by its tables from the next step on. ValueError for a placement of another geometry."""
+        old = self.placement
+        if old is None:
+            raise ValueError("set_placement: this runner has no EP MoE (ep_size 1 or eplb.enabled = false)")
+        if (new.n_layers, new.n_slots, new.n_ranks, new.n_experts) != (old.n_layers, old.n_slots, old.n_ranks,
+                                                                       old.n_experts):
+            raise ValueError(f"set_placement: {new.n_layers} layers x {new.n_slots} slots over {new.n_ranks} ranks, "
+                             f"the runner has {old.n_layers} x {old.n_slots} over {old.n_ranks}")
+        self.params = weight_moves.move_params(self.params, old, new, self.mesh, self.ep_spec.config.ep_axis)
+        self.tables, self.placement = self._device_tables(new), new
+
+    def slot_counts(self, fwd: DPForward) -> np.ndarray | None:
+        """[L, P] int64 pairs per physical slot of a dispatched EP step (waits for it), None without EP."""
+        if fwd.slot_counts is None:
+            return None
+        return np.asarray(sh.gather_to_host(fwd.slot_counts), np.int64)
 
     def precompile(self, sampling: bool = True, progress=None) -> None:
         """Compile the engine step (model step + sampling) of every bucket with all-padding inputs (they
         write nothing). ``sampling`` is accepted for ``ModelRunner`` compatibility: this runner has only
         the engine step. ``progress(i, total)`` is called per bucket."""
         shapes = self.buckets.shapes()
+        if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
+            self.set_placement(self.placement)
         for i, shape in enumerate(shapes):
             self.sample(self._forward([[]] * self.dp_size, *shape)).result()
             if progress is not None:
@@ -191,9 +291,14 @@ class DPRunner:
             samplings.append(sampling)
             sample_slots.append(np.where(sample_slot < slots, sample_slot + d * slots, self.dp_size * slots))
         stacked = jax.tree.map(lambda *a: np.stack(a), *inputs)
-        logits, self.cache = self._forward_fn(self.params, self.cache, self.last_ids, np.stack(feeds), stacked)
+        counts = None
+        if self.placement is None:
+            logits, self.cache = self._forward_fn(self.params, self.cache, self.last_ids, np.stack(feeds), stacked)
+        else:
+            logits, self.cache, counts = self._forward_fn(self.params, self.tables, self.cache, self.last_ids,
+                                                          np.stack(feeds), stacked)
         chunks = [c for cs in chunks_by_rank for c in cs]
         chunk_rows = [d * r + k for d, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
         sampling = jax.tree.map(lambda *a: np.concatenate(a), *samplings)
         return DPForward(logits, sampling, np.concatenate(sample_slots).astype(np.int32), chunks, chunk_rows,
-                         self.dp_size * r)
+                         self.dp_size * r, counts, self.placement)

@@ -6,11 +6,14 @@ Run from the repository root with ``XLA_FLAGS=--xla_force_host_platform_device_c
 with the one-device ``LLM`` and with each preset, and prints one JSON line per preset: whether every
 output's token ids and finish reasons are equal, the largest logprob difference, how the router spread
 the requests over the ranks, per-rank tokens and idle steps, and whether anything recompiled after
-start-up. Then one JSON line per bad preset (the ``ShardingError`` field and message) and ``{"check": "done"}``.
+start-up. With ``cpu-dp2-ep4`` among them, EPLB rows follow (``eplb_rows``: rebalances forced mid-run vs none vs
+one device, pair conservation, exact weight moves). Then one JSON line per bad preset (the ``ShardingError``
+field and message) and ``{"check": "done"}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -20,14 +23,17 @@ import numpy as np
 from shard_common import model_and_inputs
 
 from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax import sharding as sh
+from deepinfer_jax.parallel.weight_moves import physical_params
 from deepinfer_jax.runner import ChunkSpec, StepInputError
-from deepinfer_jax.sharding import ShardingError, ShardingPreset
+from deepinfer_jax.sharding import ShardingError, ShardingPreset, resolve_preset
 
 #: Per-rank engine settings; one bucket of each kind keeps compile time down.
 SETTINGS = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "token_buckets": (32,), "request_buckets": (4,),
             "block_size": 16, "max_model_len": 64, "chunking": "tokens", "enable_prefix_caching": False,
             "max_logprobs": 2, "use_tqdm": False}
 NUM_REQUESTS = 11
+EPLB_PRESET = "cpu-dp2-ep4"  # also run with EPLB rebalances forced mid-run (``eplb_rows``)
 
 
 def workload(vocab: int):
@@ -75,6 +81,48 @@ def runner_errors(runner) -> dict:
     return out
 
 
+def eplb_rows(cfg, params, prompts, sps, want, want_again) -> None:
+    """EPLB in the running engine on ``EPLB_PRESET``: rebalances forced every 3 steps (window 2) against the same
+    layout with no rebalance (period 10**6) and against one device (``want``, ``want_again``: the first and second
+    batch of the one-device engine). Both engines reuse the preset row's compiled programs (same layout)."""
+    base = resolve_preset(EPLB_PRESET)
+    rows = {}
+    for check, period in (("eplb_forced", 3), ("eplb_never", 10**6)):
+        start = time.perf_counter()
+        preset = base.replace(eplb=dataclasses.replace(base.eplb, window_steps=2, rebalance_period=period))
+        llm = LLM(config=cfg, params=params, sharding=preset, **SETTINGS)
+        runner, reb = llm.runner, llm.engine.eplb
+        start_placement, traces = runner.placement, runner.traces
+        got = summary(llm.generate(prompts, sps, use_tqdm=False))
+        llm.engine.async_scheduling = False  # the second batch through the synchronous loop
+        got_again = summary(llm.generate(prompts, sps, use_tqdm=False))
+        stats = llm.stats
+        # the moved weights are exactly the logical experts taken into the current placement's slots
+        want_params = physical_params(params, runner.placement)
+        moved_exact = all(np.array_equal(sh.gather_to_host(runner.params["layers"][i]["ffn"]["experts"][k][...]),
+                                         np.asarray(want_params["layers"][i]["ffn"]["experts"][k][...]))
+                          for i in range(cfg.num_hidden_layers) for k in ("w1", "w3", "w2"))
+        rows[check] = {"got": got, "got_again": got_again, "total_load": reb.total_load}
+        print(json.dumps({
+            "check": check, **compare(want, got), **{f"sync_{k}": v for k, v in compare(want_again, got_again).items()},
+            "recompiled": runner.traces != traces, "rebalances": stats["eplb_rebalances"],
+            "eplb_steps": stats["eplb_steps"], "steps": stats["steps"],
+            "placement_changed": runner.placement != start_placement,
+            "max_replicas": stats["eplb_max_replicas"], "moe_lb": stats["eplb_moe_lb"],
+            "moe_lb_before": stats["eplb_moe_lb_before"], "moe_lb_after": stats["eplb_moe_lb_after"],
+            # every (token, expert) pair of every layer counted once: top_k pairs per scheduled token
+            "pairs_per_layer": reb.total_load.sum(1).tolist(),
+            "expected_pairs": cfg.num_experts_per_tok * stats["scheduled_tokens"],
+            "slots_per_rank": runner.placement.slots_per_rank, "n_experts": runner.placement.n_experts,
+            "ep_size": runner.placement.n_ranks, "moved_weights_exact": moved_exact,
+            "seconds": round(time.perf_counter() - start, 2)}), flush=True)
+    forced, never = rows["eplb_forced"], rows["eplb_never"]
+    print(json.dumps({"check": "eplb_vs_no_rebalance", **compare(never["got"], forced["got"]),
+                      "sync_max_logprob_diff": compare(never["got_again"], forced["got_again"])["max_logprob_diff"],
+                      "same_expert_load": bool(np.array_equal(forced["total_load"], never["total_load"]))}),
+          flush=True)
+
+
 def main(presets: list[str]) -> None:
     assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.device_count()}"
     cfg, params, _ = model_and_inputs()
@@ -101,16 +149,21 @@ def main(presets: list[str]) -> None:
         leaf = jax.tree.leaves(llm.runner.cache)[0]
         row.update(sync_ids_equal=sync["ids_equal"], sync_max_logprob_diff=sync["max_logprob_diff"],
                    recompiled=llm.runner.traces != traces,
-                   dp_size=llm.runner.dp_size, manual_axes=list(llm.runner.manual_axes), rank_tokens=stats["dp_rank_tokens"],
+                   dp_size=llm.runner.dp_size, manual_axes=list(llm.runner.manual_axes),
+                   ep_moe=llm.runner.placement is not None, rank_tokens=stats["dp_rank_tokens"],
                    rank_idle_steps=stats["dp_rank_idle_steps"], steps=stats["steps"],
                    experts_w1_shard=list(w1.addressable_shards[0].data.shape), experts_w1_shape=list(w1.shape),
                    cache_spec=str(leaf.sharding.spec), cache_shard=list(leaf.addressable_shards[0].data.shape),
                    cache_shape=list(leaf.shape), seconds=round(time.perf_counter() - start, 2))
         row["runner_errors"] = runner_errors(llm.runner)
         print(json.dumps(row), flush=True)
+    if EPLB_PRESET in presets:
+        eplb_rows(cfg, params, prompts, sps, want, want_again)
+    tp = resolve_preset("cpu-dp2-ep2-tp2")
     bad = {"too_many_devices": ShardingPreset(name="dp2-ep8", axes=("dp", "ep"), shape=(2, 8), dp_size=2, ep_size=8),
            "experts_not_divisible": ShardingPreset(name="dp1-ep3", axes=("dp", "ep"), shape=(1, 3), dp_size=1,
-                                                   ep_size=3)}
+                                                   ep_size=3),
+           "eplb_with_tp": tp.replace(eplb=dataclasses.replace(tp.eplb, enabled=True))}
     for check, preset in bad.items():
         try:
             LLM(config=cfg, params=params, sharding=preset, **SETTINGS)
