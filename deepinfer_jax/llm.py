@@ -82,6 +82,7 @@ class LLM:
         if ec.sharding is not None:  # a bad preset or too few devices fail here, before anything loads
             from deepinfer_jax import sharding as sh
 
+            sh.init_distributed()  # several processes: from DEEPINFER_COORDINATOR etc.; a no-op when unset
             self.sharding_preset = sh.resolve_preset(ec.sharding)
             self.sharding_preset.validate_engine()  # the EP MoE's layout (eplb.enabled)
             self.mesh = sh.make_mesh(self.sharding_preset)

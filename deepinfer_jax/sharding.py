@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.parallel.ep_moe import DISPATCHES  # MoE token dispatches (ragged_all_to_all: GPU/TPU only)
-from deepinfer_jax.parallel.mesh import auto_mesh
+from deepinfer_jax.parallel.mesh import auto_mesh, put_global
 
 __all__ = [
     "CACHE_AXES", "DISPATCHES", "MESH_AXES", "PARAM_AXES", "PRESET_DIR", "RULES", "EplbSettings", "ShardingError",
@@ -514,16 +514,7 @@ def cache_shardings(cache, mesh: Mesh, preset: str | ShardingPreset | None = Non
 
 def place(tree, shardings):
     """Put every leaf of ``tree`` on its sharding; works across processes (each holds the full host value)."""
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def one(leaf, sharding):
-        if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
-            return leaf
-        host = np.asarray(leaf)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(one, tree, shardings)
+    return put_global(tree, shardings)
 
 
 def shard_params(params, mesh: Mesh, preset: str | ShardingPreset | None = None):
@@ -537,8 +528,9 @@ def shard_cache(cache, mesh: Mesh, preset: str | ShardingPreset | None = None):
 
 
 def gather_to_host(x: jax.Array) -> np.ndarray:
-    """A (possibly multi-process) global array as one numpy array, on every process."""
-    if x.is_fully_addressable:
+    """A (possibly multi-process) global array as one numpy array, on every process (a replicated one is read
+    locally, anything else is gathered with a collective: every process must call this)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils
 
@@ -641,8 +633,12 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
         return True
     if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need real collectives
-    jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid,
-                               initialization_timeout=int(timeout_s))
+    try:
+        jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid,
+                                   initialization_timeout=int(timeout_s))
+    except RuntimeError as e:  # e.g. JAX already ran something in this process
+        raise ShardingError(f"coordinator_address ({ENV_COORDINATOR})", f"jax.distributed did not start ({e}); call "
+                            "sharding.init_distributed() before any other JAX call") from e
     return True
 
 

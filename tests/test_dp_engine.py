@@ -1,7 +1,9 @@
 """Attention data parallel in the engine (issue 7 item 2): the router, the per-rank engine core against a
 fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the one-device engine on 8 fake
 CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1; EPLB inside the running engine (item 4): a rebalance
-mid-run changes no output, the step's counts conserve every pair, the weights really move.
+mid-run changes no output, the step's counts conserve every pair, the weights really move; and the engine
+over two jax.distributed processes of 4 CPU devices each (``tests/sharded/engine_multihost.py``) against one
+device.
 
 The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
 be set before jax starts, and this process keeps its single CPU device.
@@ -9,11 +11,12 @@ be set before jax starts, and this process keeps its single CPU device.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from sharded import run_checks
+from sharded import finish_processes, run_checks, start_processes
 
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
@@ -196,9 +199,31 @@ def test_llm_refuses_a_mesh_larger_than_the_devices_before_loading():
 # ---- the sharded engine on 8 fake devices (subprocess) ---------------------------------------------
 
 
+MULTIHOST_PRESET = "prefill-ep8-dp8"  # every device a DP rank and an EP rank: ranks and the all_to_all span processes
+MULTIHOST_TIMEOUT_S = 420
+
+
 @pytest.fixture(scope="module")
-def checks() -> dict[str, dict]:
-    return run_checks("dp_engine_check.py", *PRESETS, timeout=600)
+def checks(tmp_path_factory) -> dict[str, dict]:
+    """The 8-device check script, with the two-process engine run started alongside (it overlaps on the two
+    cores); the two-process results are under ``checks["multihost"]``."""
+    tmp = tmp_path_factory.mktemp("dp_engine")
+    multi = start_processes("engine_multihost.py", MULTIHOST_PRESET, str(tmp / "multihost")) if _has_gloo() else None
+    try:
+        out = run_checks("dp_engine_check.py", "--reference", str(tmp / "reference.json"), *PRESETS, timeout=600)
+    except BaseException:
+        for proc in multi or []:
+            proc.kill()
+        raise
+    out["multihost"] = {"tmp": tmp, "results": None if multi is None else finish_processes(multi, MULTIHOST_TIMEOUT_S)}
+    return out
+
+
+def _has_gloo() -> bool:
+    """Whether this jaxlib has CPU collectives across processes (gloo), which the two-process run needs."""
+    import jax
+
+    return hasattr(jax.config, "jax_cpu_collectives_implementation")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -274,6 +299,30 @@ def test_engine_reports_moe_lb_per_layer(checks):
         assert len(forced[key]) == 5 and all(v >= 1.0 for v in forced[key]), (key, forced[key])
     never = checks["eplb_never"]
     assert len(never["moe_lb"]) == 5 and never["moe_lb_before"] is None  # no rebalance was ever due
+
+
+# ---- the engine across two processes (jax.distributed, 4 CPU devices each, gloo) -----------------------
+
+
+def test_the_engine_over_two_processes_equals_one_device(checks):
+    multi = checks["multihost"]
+    if multi["results"] is None:
+        pytest.skip("this jaxlib has no CPU collectives across processes (gloo)")
+    for code, out in multi["results"]:
+        assert code == 0, f"rc {code} (None = killed after {MULTIHOST_TIMEOUT_S} s):\n{out[-4000:]}"
+    rows = [json.loads((multi["tmp"] / f"multihost{i}.json").read_text()) for i in range(2)]
+    want = json.loads((multi["tmp"] / "reference.json").read_text())
+    assert [r["process"] for r in rows] == [0, 1]
+    assert all(r["processes"] == 2 and r["devices"] == 8 and r["local_devices"] == 4 for r in rows), rows
+    assert rows[0]["outputs"] == rows[1]["outputs"] and rows[0]["total_load"] == rows[1]["total_load"]
+    got = rows[0]["outputs"]
+    assert len(got) == len(want) == 11 and sum(len(w["ids"]) for w in want) > 0
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    assert [g["reason"] for g in got] == [w["reason"] for w in want]
+    diffs = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w["lp"], g["lp"])]
+    assert diffs and max(diffs) < 1e-5, max(diffs)
+    assert all(r["rebalances"] >= 1 and not r["recompiled"] for r in rows), rows  # EPLB moved weights in both
+    assert rows[0]["steps"] == rows[1]["steps"] > 3
 
 
 def test_bad_presets_give_a_clear_error(checks):

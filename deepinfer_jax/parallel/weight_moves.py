@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.parallel.eplb import Placement, move_sources
-from deepinfer_jax.parallel.mesh import shard_map
+from deepinfer_jax.parallel.mesh import put_global, shard_map
 
 __all__ = ["TRACES", "apply_placement", "expert_leaves", "move_params", "physical_params", "to_slots"]
 
@@ -121,6 +121,7 @@ def move_params(params, old: Placement, new: Placement, mesh: Mesh, ep_axis: str
     if sorted(layers) != list(range(old.n_layers)) or new.n_layers != old.n_layers:
         raise ValueError(f"placements of {old.n_layers}/{new.n_layers} layers for MoE layers {sorted(layers)}")
     src = np.stack([move_sources(old, new, layer) for layer in range(old.n_layers)]).astype(np.int32)
+    src = put_global(src, NamedSharding(mesh, P(None, ep_axis)))
     leaves, treedef = jax.tree_util.tree_flatten(params)
     at = [(layer, i) for layer in sorted(layers) for i in layers[layer]]
     moved = _layers_mover(mesh, ep_axis, tuple(layer for layer, _ in at))(src, *(leaves[i] for _, i in at))

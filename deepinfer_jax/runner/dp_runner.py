@@ -52,6 +52,7 @@ from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.parallel import ep_model, weight_moves
 from deepinfer_jax.parallel.ep_moe import TABLES
 from deepinfer_jax.parallel.eplb import Placement, identity_placement
+from deepinfer_jax.parallel.mesh import put_global
 from deepinfer_jax.runner.buckets import Buckets
 from deepinfer_jax.runner.model_runner import _TRACES, PendingStep, _forward_step, _sample_rows
 from deepinfer_jax.runner.step_batch import (
@@ -144,7 +145,8 @@ def _programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tupl
         replicated = NamedSharding(mesh, repl)
         forward = jax.jit(step, donate_argnums=(2,), in_shardings=(param_sh, replicated, dp, dp, dp, dp),
                           out_shardings=(dp, dp, replicated))
-    return forward, jax.jit(_dp_sample, static_argnums=(0,), out_shardings=(None, dp))
+    sample = jax.jit(_dp_sample, static_argnums=(0,), out_shardings=(NamedSharding(mesh, PartitionSpec()), dp))
+    return forward, sample  # the sampled tokens come back replicated: every process reads them locally
 
 
 def _stacked_cache(cfg, cache_cfg, dp: int):
@@ -181,7 +183,8 @@ class DPRunner:
         check_runner_settings(self.buckets, cache_cfg, num_top_logprobs)
         self.num_top_logprobs = num_top_logprobs
         self.mask_words = (cfg.vocab_size + 31) // 32
-        dp = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
+        self._dp = dp = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
+        self._multi = jax.process_count() > 1  # host inputs become global arrays (every process passes the same)
         #: The EPLB placement of the experts' physical slots (None: the GSPMD step, no EP MoE).
         self.placement: Placement | None = None
         if preset.engine_expert_parallel:
@@ -274,9 +277,12 @@ class DPRunner:
         if mask is not None:
             raise StepInputError("mask: structured-output token masks are not supported with attention data parallel")
         if fwd.rows not in self._no_mask:
-            self._no_mask[fwd.rows] = jnp.full((fwd.rows, self.mask_words), -1, jnp.int32)
-        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, self._no_mask[fwd.rows], np.False_,
-                                             fwd.sampling, self.last_ids, fwd.sample_slot)
+            shape = (fwd.rows, self.mask_words)
+            self._no_mask[fwd.rows] = jax.jit(lambda: jnp.full(shape, -1, jnp.int32), out_shardings=self._replicated)()
+        host = (np.False_, fwd.sampling, fwd.sample_slot)
+        has_mask, sampling, sample_slot = put_global(host, self._replicated) if self._multi else host
+        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, self._no_mask[fwd.rows], has_mask,
+                                             sampling, self.last_ids, sample_slot)
         return PendingStep(out, fwd.chunks, fwd.chunk_rows)
 
     # -- internals ---------------------------------------------------------------------------
@@ -290,13 +296,15 @@ class DPRunner:
             feeds.append(feed)
             samplings.append(sampling)
             sample_slots.append(np.where(sample_slot < slots, sample_slot + d * slots, self.dp_size * slots))
-        stacked = jax.tree.map(lambda *a: np.stack(a), *inputs)
+        stacked, feed = jax.tree.map(lambda *a: np.stack(a), *inputs), np.stack(feeds)
+        if self._multi:
+            stacked, feed = put_global((stacked, feed), self._dp)
         counts = None
         if self.placement is None:
-            logits, self.cache = self._forward_fn(self.params, self.cache, self.last_ids, np.stack(feeds), stacked)
+            logits, self.cache = self._forward_fn(self.params, self.cache, self.last_ids, feed, stacked)
         else:
-            logits, self.cache, counts = self._forward_fn(self.params, self.tables, self.cache, self.last_ids,
-                                                          np.stack(feeds), stacked)
+            logits, self.cache, counts = self._forward_fn(self.params, self.tables, self.cache, self.last_ids, feed,
+                                                          stacked)
         chunks = [c for cs in chunks_by_rank for c in cs]
         chunk_rows = [d * r + k for d, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
         sampling = jax.tree.map(lambda *a: np.concatenate(a), *samplings)

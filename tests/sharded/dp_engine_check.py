@@ -1,14 +1,14 @@
 """The attention data-parallel engine (``LLM(..., sharding=...)``) against the one-device engine on 8 fake CPU devices.
 
 Run from the repository root with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``:
-``python tests/sharded/dp_engine_check.py PRESET [PRESET ...]``. Generates the same mixed batch
+``python tests/sharded/dp_engine_check.py [--reference OUT.json] PRESET [PRESET ...]``. Generates the same mixed batch
 (greedy, seeded and engine-seeded sampling, prompts of 3-40 tokens, more requests than DP ranks)
 with the one-device ``LLM`` and with each preset, and prints one JSON line per preset: whether every
 output's token ids and finish reasons are equal, the largest logprob difference, how the router spread
 the requests over the ranks, per-rank tokens and idle steps, and whether anything recompiled after
 start-up. With ``cpu-dp2-ep4`` among them, EPLB rows follow (``eplb_rows``: rebalances forced mid-run vs none vs
 one device, pair conservation, exact weight moves). Then one JSON line per bad preset (the ``ShardingError``
-field and message) and ``{"check": "done"}``.
+field and message) and ``{"check": "done"}``. ``--reference`` writes the one-device outputs to OUT.json.
 """
 
 from __future__ import annotations
@@ -124,12 +124,18 @@ def eplb_rows(cfg, params, prompts, sps, want, want_again) -> None:
 
 
 def main(presets: list[str]) -> None:
+    reference_out = None
+    if presets[:1] == ["--reference"]:  # where to write the one-device outputs (the two-process test reads them)
+        reference_out, presets = presets[1], presets[2:]
     assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.device_count()}"
     cfg, params, _ = model_and_inputs()
     prompts, sps = workload(cfg.vocab_size)
     start = time.perf_counter()
     ref = LLM(config=cfg, params=params, **SETTINGS)
     want = summary(ref.generate(prompts, sps, use_tqdm=False))
+    if reference_out is not None:
+        with open(reference_out, "w") as f:
+            json.dump(want, f)
     # a second batch: requests without a seed now have numbers 11..21, so their tokens differ from the first
     want_again = summary(ref.generate(prompts, sps, use_tqdm=False))
     print(json.dumps({"check": "reference", "seconds": round(time.perf_counter() - start, 2),
