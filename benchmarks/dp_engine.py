@@ -2,7 +2,7 @@
 measured inside the running engine with and without rebalancing (item 4).
 
     python benchmarks/dp_engine.py [--part all|cost|eplb] [--model tiny|small] [--requests 32] [--repeats 2]
-                                   [--eplb-model PATH] [--eplb-presets cpu-dp2-ep4,cpu-dp1-ep8] [--eplb-requests 96]
+                                   [--eplb-model PATH] [--eplb-presets cpu-dp2-ep4,cpu-dp1-ep8] [--eplb-requests 64]
                                    [--window 8] [--period 8]
 
 Part "cost":
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--eplb-model", default=None, help="checkpoint directory (default: the shipped trained one)")
     ap.add_argument("--eplb-presets", default="cpu-dp2-ep4,cpu-dp1-ep8")
-    ap.add_argument("--eplb-requests", type=int, default=96)
+    ap.add_argument("--eplb-requests", type=int, default=64)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--period", type=int, default=8)
     args = ap.parse_args()
@@ -174,7 +174,7 @@ def eplb_in_the_engine(args) -> None:
     rng = np.random.default_rng(0)
     prompts = stdlib_prompts(args.eplb_requests, rng)
     params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True)
-              for n in rng.integers(8, 40, len(prompts))]
+              for n in rng.integers(8, 32, len(prompts))]
     rows = []
     for name in args.eplb_presets.split(","):
         base = resolve_preset(name)

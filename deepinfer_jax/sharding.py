@@ -302,16 +302,23 @@ class ShardingPreset:
             raise ShardingError("eplb.enabled", f"the engine's EP MoE needs the experts on one mesh axis, the rules "
                                 f"map them to {list(self.ep_axes)}")
         params = [k for k in RULES if k not in ("batch", "experts", *_FOLLOW_BATCH)]
-        split = sorted({a for k in params for a in self.mesh_axes(k) if a not in self.ep_axes and self.axis_size(a) > 1})
+        split = sorted({a for k in params for a in self.mesh_axes(k)
+                        if a not in self.ep_axes and self.axis_size(a) > 1})
         if split:
             raise ShardingError("eplb.enabled", f"the engine's EP MoE needs no parameter split over {split} (tensor "
                                 f"parallel); set eplb.enabled = false for this preset")
 
     def validate_for(self, cfg) -> None:
-        """ShardingError unless the model's routed experts divide evenly over the EP ranks."""
+        """ShardingError unless the model's routed experts divide evenly over the EP ranks (and, with the engine's
+        EP MoE, a rank's slots do not outnumber the experts)."""
         if cfg.n_routed_experts % self.ep_size:
             raise ShardingError("parallel.ep_size", f"{self.ep_size} does not divide the model's "
                                 f"n_routed_experts {cfg.n_routed_experts}")
+        slots = cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
+        if self.engine_expert_parallel and slots > cfg.n_routed_experts:
+            raise ShardingError("eplb.redundant_slots_per_rank", f"{self.eplb.redundant_slots_per_rank} makes {slots} "
+                                f"slots per EP rank, more than the model's {cfg.n_routed_experts} experts (a rank "
+                                "would hold one expert twice)")
 
     def replace(self, **changes: Any) -> ShardingPreset:
         return dataclasses.replace(self, **changes)

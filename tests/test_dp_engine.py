@@ -332,3 +332,5 @@ def test_bad_presets_give_a_clear_error(checks):
     assert row["error"] == "ShardingError" and row["field"] == "parallel.ep_size" and "n_routed_experts 8" in row["message"]
     row = checks["eplb_with_tp"]  # the EP MoE runs one program per device: no tensor parallel
     assert row["error"] == "ShardingError" and row["field"] == "eplb.enabled" and "['tp']" in row["message"], row
+    row = checks["ragged_on_cpu"]
+    assert row["error"] == "ShardingError" and row["field"] == "eplb.dispatch" and "all_to_all" in row["message"], row

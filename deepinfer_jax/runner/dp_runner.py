@@ -98,7 +98,11 @@ def _dp_forward_ep(cfg, cache_cfg, spec, params, tables, cache, last_ids, feed, 
 
 
 def _ep_spec(preset, mesh: Mesh) -> ep_model.StepSpec:
-    """The EP step's static layout (the preset passed ``validate_engine``)."""
+    """The EP step's static layout (the preset passed ``validate_engine``); ShardingError ``eplb.dispatch`` for
+    ragged_all_to_all on CPU devices (XLA:CPU lacks it)."""
+    if preset.eplb.dispatch == "ragged_all_to_all" and mesh.devices.flat[0].platform == "cpu":
+        raise sh.ShardingError("eplb.dispatch", "ragged_all_to_all needs GPU/TPU devices (XLA:CPU lacks it); use "
+                               "dispatch = \"all_to_all\" on CPU")
     sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)
     split = tuple(a for a, n in sizes if a not in preset.dp_axes and n > 1)  # a rank's tokens are replicated there
     config = ep_model.EPConfig(dispatch=preset.eplb.dispatch, ep_axis=preset.ep_axes[0])
@@ -187,8 +191,10 @@ class DPRunner:
         self._multi = jax.process_count() > 1  # host inputs become global arrays (every process passes the same)
         #: The EPLB placement of the experts' physical slots (None: the GSPMD step, no EP MoE).
         self.placement: Placement | None = None
+        self.ep_spec = None
         if preset.engine_expert_parallel:
             preset.validate_engine()
+            self.ep_spec = _ep_spec(preset, mesh)
             self.placement = identity_placement(cfg.num_hidden_layers, cfg.n_routed_experts, preset.ep_size,
                                                 preset.eplb.redundant_slots_per_rank)
             params = weight_moves.physical_params(params, self.placement)
@@ -199,10 +205,8 @@ class DPRunner:
                                 out_shardings=dp)()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         if self.placement is None:
-            self.ep_spec = None
             self.manual_axes = _manual_axes(preset, param_sh)
         else:
-            self.ep_spec = _ep_spec(preset, mesh)
             self.manual_axes = tuple(mesh.axis_names)
             self.tables = self._device_tables(self.placement)
         flat, treedef = jax.tree_util.tree_flatten(param_sh)

@@ -169,7 +169,8 @@ def main(presets: list[str]) -> None:
     bad = {"too_many_devices": ShardingPreset(name="dp2-ep8", axes=("dp", "ep"), shape=(2, 8), dp_size=2, ep_size=8),
            "experts_not_divisible": ShardingPreset(name="dp1-ep3", axes=("dp", "ep"), shape=(1, 3), dp_size=1,
                                                    ep_size=3),
-           "eplb_with_tp": tp.replace(eplb=dataclasses.replace(tp.eplb, enabled=True))}
+           "eplb_with_tp": tp.replace(eplb=dataclasses.replace(tp.eplb, enabled=True)),
+           "ragged_on_cpu": resolve_preset("prefill-ep8-dp8")}  # dispatch = "ragged_all_to_all"
     for check, preset in bad.items():
         try:
             LLM(config=cfg, params=params, sharding=preset, **SETTINGS)

@@ -40,10 +40,10 @@ def main(preset_name: str, out_prefix: str) -> None:
     llm = LLM(config=cfg, params=params, sharding=preset, **SETTINGS)
     traces = llm.runner.traces
     outs = summary(llm.generate(prompts, sps, use_tqdm=False))
-    stats = llm.stats
+    stats, reb = llm.stats, llm.engine.eplb
     row = {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
            "local_devices": jax.local_device_count(), "steps": stats["steps"],
-           "rebalances": stats.get("eplb_rebalances"), "total_load": llm.engine.eplb.total_load.tolist(),
+           "rebalances": stats.get("eplb_rebalances"), "total_load": None if reb is None else reb.total_load.tolist(),
            "recompiled": llm.runner.traces != traces, "outputs": outs,
            "seconds": round(time.perf_counter() - start, 2)}
     with open(f"{out_prefix}{jax.process_index()}.json", "w") as f:
