@@ -159,6 +159,34 @@ def test_dp_core_abort_frees_the_rank_it_ran_on():
     assert core.requests[b].output_ids == [6, 7, 8, 9]
 
 
+def test_dp_core_cost_chunking_plans_every_rank_and_fits_the_slowest():
+    from deepinfer_jax.engine.cost_model import CostModel
+
+    model = CostModel((0.0, 1000.0, 0.0, 0.0))  # 1 us per token; a step's budget buys 6 tokens per rank
+    seen = []
+    model.observe = lambda shape, ns: seen.append(list(shape))
+    core = _engine(dp=2, slots=2, chunking="cost", cost_model=model, step_budget_ns=6000, async_scheduling=False)
+    prompts = [list(range(1, 21)), [5, 6, 7]]  # rank 0 gets the long prompt, rank 1 the short one
+    rids = [core.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts]
+    done = {}
+    while core.has_unfinished:
+        done.update({o.request_id: o for o in core.step()})
+    for rid, p in zip(rids, prompts):
+        assert done[rid].outputs[0].token_ids == [(p[-1] + k) % VOCAB for k in range(1, 4)]
+    steps = core.runner.steps
+    assert all(sum(len(c.token_ids) for c in cs) <= 6 for step in steps for cs in step)  # the budget, per rank
+    assert max(len(c.token_ids) for step in steps for c in step[0]) == 6  # the long prompt came in chunks of 6
+    # each step observed with the slowest rank's (q, c) list: the rank with more tokens
+    want = [max(([(len(c.token_ids), c.ctx_len) for c in cs] for cs in step), key=lambda sh: sum(q for q, _ in sh))
+            for step in steps]
+    assert seen == want and len(seen) == len(steps)
+    with pytest.raises(ValueError, match="chunking"):
+        kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
+              "max_num_batched_tokens": 8, "chunking": "cost", "step_budget_ns": 6000}
+        DPEngineCore(FakeDPRunner(2, 2), [Scheduler(cost_model=CostModel((0, 1, 0, 0)), **kw) for _ in range(2)],
+                     tokenizer=None, eos_token_id=0)
+
+
 def test_dp_core_refuses_what_it_does_not_support():
     core = _engine(dp=2)
     with pytest.raises(RequestError, match="structured_output"):
@@ -177,7 +205,8 @@ def test_dp_core_refuses_what_it_does_not_support():
 def test_engine_config_refuses_unsupported_settings_with_sharding():
     ok = {"sharding": "cpu-dp2-ep4", "chunking": "tokens", "enable_prefix_caching": False}
     assert EngineConfig(**ok).sharding == "cpu-dp2-ep4"
-    for field, value in (("enable_prefix_caching", True), ("chunking", "cost"), ("decoder_replay", True)):
+    assert EngineConfig(**{**ok, "chunking": "cost"}).chunking == "cost"  # cost-model chunking per rank
+    for field, value in (("enable_prefix_caching", True), ("decoder_replay", True)):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{**ok, field: value})
     with pytest.raises(ValueError, match="sharding"):
@@ -299,6 +328,25 @@ def test_engine_reports_moe_lb_per_layer(checks):
         assert len(forced[key]) == 5 and all(v >= 1.0 for v in forced[key]), (key, forced[key])
     never = checks["eplb_never"]
     assert len(never["moe_lb"]) == 5 and never["moe_lb_before"] is None  # no rebalance was ever due
+
+
+def test_cost_model_chunking_equals_one_device(checks):
+    row, ref = checks["cost_chunking"], checks["cpu-dp2-ep4"]
+    assert row["ids_equal"] and row["reasons_equal"] and row["max_logprob_diff"] < 1e-4, row
+    assert row["shared_model"] and sum(row["coef_ns"]) > 0, row  # profiled through the DP runner and fitted
+    # the time budget, not the token budget, sized the chunks: one fresh 8-token chunk's cost buys each rank at most
+    # 16 tokens in its first step (4 chunks whose q**2 sum to <= 64), where the token budget took 32
+    first, token_first = row["first_step_tokens"], row["token_chunking_first_step_tokens"]
+    assert max(first) <= 16 and sum(first) < sum(token_first) and len(first) == 2, row
+    assert row["observed"] == row["predicted"] == row["steps"] and not row["recompiled"], row
+
+
+def test_structured_output_equals_one_device(checks):
+    for name in ("structured", "structured_masks_first"):  # masks on the worker / masks first, synchronous
+        row = checks[name]
+        assert row["ids_equal"] and row["reasons_equal"] and row["max_logprob_diff"] < 1e-4, row
+        assert row["follows_grammar"] == [True] * 4 and row["reasons"][1] == "error", row  # the dead grammar
+        assert row["mask_rows"] > 0 and not row["recompiled"], row
 
 
 # ---- the engine across two processes (jax.distributed, 4 CPU devices each, gloo) -----------------------

@@ -14,10 +14,18 @@ preset's ``eplb`` settings); when a rebalance is due it computes the new placeme
 the expert weights before the next step is dispatched (steps already in flight finish on the old ones;
 no token is dropped or recomputed). ``eplb_stats()`` reports the balance (``LLM.stats``' ``eplb_*`` keys).
 
+Cost-model chunking (``chunking="cost"``): every rank's scheduler plans its own chunks against the
+step budget with one shared ``CostModel``; a DP step lasts as long as its slowest rank, so the step is
+predicted by, and the model refitted on, the rank whose plan predicts the most time (``_DPPlan``).
+
+Structured output: the token masks of every rank's constrained rows are computed as in ``EngineCore``
+(on the worker thread while the device runs the model step, or first with ``overlap=False``) into one
+``[dp * rows, words]`` mask, row ``d * rows + k`` for rank d's k-th request (``DPForward.chunk_rows``),
+which the DP sampling program applies.
+
 Not supported with DP yet (each refused with a clear error naming the setting): prefix caching
-(``enable_prefix_caching``), structured output (``SamplingParams.structured_output``, a
-``RequestError``), cost-model chunking (``chunking="cost"``) and decoder bounded replay
-(``decoder_replay``); ``EngineConfig`` refuses the last three when ``sharding`` is set.
+(``enable_prefix_caching``) and decoder bounded replay (``decoder_replay``); ``EngineConfig``
+refuses both when ``sharding`` is set.
 """
 
 from __future__ import annotations
@@ -33,14 +41,26 @@ from deepinfer_jax.engine.core import EngineCore, _InFlight
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.engine.request import Request
-from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
+from deepinfer_jax.engine.sampling_params import SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax.parallel.eplb_policy import RebalancePolicy, Rebalancer
 
 if TYPE_CHECKING:
     from deepinfer_jax.runner.dp_runner import DPRunner
 
 __all__ = ["DPEngineCore"]
+
+
+@dataclass
+class _DPPlan(SchedulerOutput):
+    """Every rank's chunks as one plan; ``cost_shape`` is the slowest rank's (q, c) list, the cost model's view of
+    the step (``predicted_ns`` is that rank's prediction)."""
+
+    cost_shape: list | None = None
+
+    def shape(self) -> list[tuple[int, int]]:
+        return super().shape() if self.cost_shape is None else self.cost_shape
 
 
 @dataclass
@@ -59,7 +79,8 @@ class DPEngineCore(EngineCore):
     """
 
     def __init__(self, runner: DPRunner, schedulers: Sequence[Scheduler], *, tokenizer: Tokenizer | None,
-                 eos_token_id: int, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5) -> None:
+                 eos_token_id: int, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
+                 structured: StructuredOutputs | None = None) -> None:
         schedulers = list(schedulers)
         if len(schedulers) != runner.dp_size:
             raise ValueError(f"schedulers: one per DP rank ({runner.dp_size}), got {len(schedulers)}")
@@ -67,12 +88,12 @@ class DPEngineCore(EngineCore):
             if s.prefix is not None:
                 raise ValueError("enable_prefix_caching: prefix caching is not supported with attention data "
                                  "parallel yet (set it to False)")
-            if s.chunking != "tokens":
-                raise ValueError("chunking: only 'tokens' is supported with attention data parallel yet")
+            if s.chunking == "cost" and s.cost_model is not schedulers[0].cost_model:
+                raise ValueError("chunking: with chunking='cost' every DP rank's scheduler must share one cost model")
             if s.decoder_keep is not None:
                 raise ValueError("decoder_replay: not supported with attention data parallel yet")
         super().__init__(runner, schedulers[0], tokenizer=tokenizer, eos_token_id=eos_token_id, seed=seed,
-                         async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=None)
+                         async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=structured)
         self.schedulers = schedulers
         self._rank: dict[str, int] = {}  # unfinished request id -> its DP rank
         self.rank_requests = [0] * len(schedulers)
@@ -88,11 +109,6 @@ class DPEngineCore(EngineCore):
             self.eplb = Rebalancer(placement.n_layers, placement.n_experts, placement.n_ranks, policy, placement)
 
     # ---- requests ----
-    def validate(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> list[int]:
-        if isinstance(params, SamplingParams) and params.constraint is not None:
-            raise RequestError("structured_output", "not supported with attention data parallel (sharding) yet")
-        return super().validate(prompt_ids, params, request_id)
-
     def loads(self) -> list[RankLoad]:
         """Every rank's unfinished requests and their total tokens (the router's view)."""
         return [RankLoad(len(s.waiting) + len(s.running), sum(r.num_tokens for r in (*s.waiting, *s.running)))
@@ -126,12 +142,44 @@ class DPEngineCore(EngineCore):
         self._inflight = None
         finished: list[RequestOutput] = []
         launched = None
-        plan = SchedulerOutput(chunks=[c for p in plans for c in p.chunks],
-                               preempted=[r for p in plans for r in p.preempted])
+        plan = _DPPlan(chunks=[c for p in plans for c in p.chunks], preempted=[r for p in plans for r in p.preempted])
+        costed = [p for p in plans if p.predicted_ns is not None]
+        if costed:  # chunking="cost": the slowest rank sets the step time
+            slowest = max(costed, key=lambda p: p.predicted_ns)
+            plan.predicted_ns, plan.cost_shape = slowest.predicted_ns, slowest.shape()
         if plan.chunks:
-            fwd = self.runner.forward([[self._spec(c) for c in p.chunks] for p in plans])
+            specs = [[self._spec(c) for c in p.chunks] for p in plans]
+            rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
+                    if c.sample and c.request.matcher is not None]  # (matcher, chunk index)
+            masks = None
+            if rows and not self.structured.overlap:  # the baseline: masks first, the device waits
+                if prev is not None:  # the masks need the previous step's tokens
+                    finished += self._reconcile(prev)
+                    prev = None
+                height, at = self.runner.sample_rows(specs)
+                masks = self.structured.masks(height, [(m, at[i]) for m, i in rows])
+            fwd = self.runner.forward(specs)
             launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
-            launched.pending = self.runner.sample(fwd)
+            if rows and masks is None:  # computed on the worker while the device runs the model step
+                job = []
+                submit = lambda: job.append(self.structured.submit(fwd.rows, [(m, fwd.chunk_rows[i]) for m, i in rows]))
+                if prev is not None:
+                    finished += self._reconcile(prev, on_tokens=submit)
+                    prev = None
+                else:
+                    submit()
+                masks = job[0].result()
+            mask = None
+            if rows:
+                mask, dead = masks
+                chunk_of_row = {fwd.chunk_rows[i]: i for _, i in rows}
+                for row, reason in dead.items():
+                    r = plan.chunks[chunk_of_row[row]].request
+                    if not r.finished:
+                        r.finished_time = time.perf_counter()
+                        self._finish(r, "error", reason)
+                        finished.append(r.to_output())
+            launched.pending = self.runner.sample(fwd, mask)
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
             for d, p in enumerate(plans):

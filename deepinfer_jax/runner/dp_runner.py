@@ -31,8 +31,9 @@ returns every layer's pair count per physical slot (padding excluded), fetched b
 Needs a single EP mesh axis and no parameter split over another axis (no ``tp``), else ``ShardingError``
 naming ``eplb.enabled``; with ``eplb.enabled = false`` or ``ep_size == 1`` the step is the GSPMD one above.
 
-Not supported here (yet): the logits-only ``execute``, structured-output token masks, prefix-cache block
-and window copies, decoder bounded replay. Single process: host inputs are placed with ``jit`` shardings.
+Not supported here (yet): the logits-only ``execute``, prefix-cache block and window copies, decoder bounded
+replay. Several processes (``jax.distributed``): every process passes the same host inputs, which become global
+arrays (``parallel.mesh.put_global``); the sampled tokens and the slot counts come back replicated.
 """
 
 from __future__ import annotations
@@ -256,6 +257,11 @@ class DPRunner:
             if progress is not None:
                 progress(i + 1, len(shapes))
 
+    def every_rank(self) -> _EveryRank:
+        """This runner as the cost-model profiling sees a runner (``engine.profiling``): one chunk list, run by every
+        DP rank at once (rank-local slots and blocks), since a DP step lasts as long as its slowest rank."""
+        return _EveryRank(self)
+
     def launch(self, chunks_by_rank: Sequence[Sequence[ChunkSpec]]) -> PendingStep:
         """Validate, then dispatch one step of every rank without waiting; ``result()`` lists the chunks
         rank by rank."""
@@ -276,17 +282,30 @@ class DPRunner:
                 raise StepInputError(f"rank {d}: {e}") from None
         return self._forward(chunks_by_rank, *shape)
 
+    def sample_rows(self, chunks_by_rank: Sequence[Sequence[ChunkSpec]]) -> tuple[int, list[int]]:
+        """(rows of the step's sampling program, each chunk's row in it, rank by rank) before ``forward``: the
+        shape of a structured-output mask for these chunks."""
+        _, r, _ = pick_shape(self.buckets, chunks_by_rank)
+        return self.dp_size * r, [d * r + k for d, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
+
     def sample(self, fwd: DPForward, mask: np.ndarray | None = None) -> PendingStep:
-        """Dispatch the sampling of a ``forward`` step. Token masks (structured output) are not supported."""
-        if mask is not None:
-            raise StepInputError("mask: structured-output token masks are not supported with attention data parallel")
-        if fwd.rows not in self._no_mask:
-            shape = (fwd.rows, self.mask_words)
-            self._no_mask[fwd.rows] = jax.jit(lambda: jnp.full(shape, -1, jnp.int32), out_shardings=self._replicated)()
-        host = (np.False_, fwd.sampling, fwd.sample_slot)
+        """Dispatch the sampling of a ``forward`` step: ``mask`` [fwd.rows, mask_words] (int32, packed; row
+        ``fwd.chunk_rows[i]`` is chunk i's) limits each row's tokens; None = no limit."""
+        if mask is None:
+            if fwd.rows not in self._no_mask:
+                shape = (fwd.rows, self.mask_words)
+                self._no_mask[fwd.rows] = jax.jit(lambda: jnp.full(shape, -1, jnp.int32),
+                                                  out_shardings=self._replicated)()
+            mask, has_mask = self._no_mask[fwd.rows], np.False_
+        else:
+            if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
+                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
+                                     f"{mask.dtype} {mask.shape}")
+            mask, has_mask = put_global(mask, self._replicated), np.True_  # laid out as the all-ones mask: no retrace
+        host = (has_mask, fwd.sampling, fwd.sample_slot)
         has_mask, sampling, sample_slot = put_global(host, self._replicated) if self._multi else host
-        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, self._no_mask[fwd.rows], has_mask,
-                                             sampling, self.last_ids, sample_slot)
+        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, mask, has_mask, sampling,
+                                             self.last_ids, sample_slot)
         return PendingStep(out, fwd.chunks, fwd.chunk_rows)
 
     # -- internals ---------------------------------------------------------------------------
@@ -314,3 +333,13 @@ class DPRunner:
         sampling = jax.tree.map(lambda *a: np.concatenate(a), *samplings)
         return DPForward(logits, sampling, np.concatenate(sample_slots).astype(np.int32), chunks, chunk_rows,
                          self.dp_size * r, counts, self.placement)
+
+
+class _EveryRank:
+    """``cache_cfg`` and ``launch(chunks)`` of a ``DPRunner``, the chunks given to every rank."""
+
+    def __init__(self, runner: DPRunner):
+        self.runner, self.cache_cfg = runner, runner.cache_cfg
+
+    def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
+        return self.runner.launch([list(chunks)] * self.runner.dp_size)
