@@ -331,7 +331,7 @@ def test_engine_reports_moe_lb_per_layer(checks):
 
 
 def test_cost_model_chunking_equals_one_device(checks):
-    row, ref = checks["cost_chunking"], checks["cpu-dp2-ep4"]
+    row = checks["cost_chunking"]
     assert row["ids_equal"] and row["reasons_equal"] and row["max_logprob_diff"] < 1e-4, row
     assert row["shared_model"] and sum(row["coef_ns"]) > 0, row  # profiled through the DP runner and fitted
     # the time budget, not the token budget, sized the chunks: one fresh 8-token chunk's cost buys each rank at most

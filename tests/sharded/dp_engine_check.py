@@ -24,8 +24,8 @@ import numpy as np
 from shard_common import model_and_inputs
 
 from deepinfer_jax import LLM, SamplingParams
-from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax import sharding as sh
+from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax.parallel.weight_moves import physical_params
 from deepinfer_jax.runner import ChunkSpec, StepInputError
 from deepinfer_jax.sharding import ShardingError, ShardingPreset, resolve_preset
