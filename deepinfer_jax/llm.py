@@ -98,8 +98,12 @@ class LLM:
         if ec.sharding is not None:  # a bad preset or too few devices fail here, before anything loads
             from deepinfer_jax import sharding as sh
 
+            sh.init_distributed()  # several processes: from DEEPINFER_COORDINATOR etc.; a no-op when unset
             self.sharding_preset = sh.resolve_preset(ec.sharding)
+            self.sharding_preset.validate_engine()  # the EP MoE's layout (eplb.enabled)
             self.mesh = sh.make_mesh(self.sharding_preset)
+            if ec.chunking == "cost" and jax.process_count() > 1:  # timed decisions would differ between processes
+                raise ValueError("chunking: 'cost' chunking is not supported over several processes; use 'tokens'")
         if params is not None:
             if config is None:
                 raise ValueError("config: pass the ModelConfig together with params")
@@ -147,9 +151,8 @@ class LLM:
                 logging.getLogger(__name__).warning("%s; running without a block store", e)
         t0 = time.perf_counter()
         if self.speculation != "none":
-            from deepinfer_jax.runner.spec_runner import SpecRunner
-
             from deepinfer_jax.checkpoint.draft_vocab import load_draft_vocab
+            from deepinfer_jax.runner.spec_runner import SpecRunner
 
             vocab = load_draft_vocab(ckpt, cfg.vocab_size, ec.draft_vocab_size)
             self.runner = SpecRunner(cfg, params, drafter, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
@@ -177,13 +180,14 @@ class LLM:
             encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
             host_store=host_store, file_store=file_store,
             decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None, spec_tokens=k)
+        structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
+                                       overlap=ec.structured_output_overlap)
         if self.sharding_preset is not None:  # one scheduling domain per DP rank
             self.engine = DPEngineCore(self.runner, [make_scheduler() for _ in range(self.sharding_preset.dp_size)],
                                        tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
-                                       async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs)
+                                       async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
+                                       structured=structured)
         else:
-            structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
-                                           overlap=ec.structured_output_overlap)
             spec = self._spec_decoding(k, use_tqdm) if k else None
             self.engine = EngineCore(self.runner, make_scheduler(), tokenizer=self.tokenizer,
                                      eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
@@ -227,7 +231,8 @@ class LLM:
         root = Path(self.engine_config.cost_model_dir or Path.home() / ".cache" / "deepinfer_jax" / "cost_model")
         dev = jax.devices()[0]
         key = json.dumps([repr(self.model_config), repr(self.cache_config), repr(self.buckets), jax.__version__,
-                          dev.platform, dev.device_kind, platform.machine(), platform.node(), os.cpu_count()])
+                          dev.platform, dev.device_kind, platform.machine(), platform.node(), os.cpu_count()]
+                         + ([] if self.sharding_preset is None else [repr(self.sharding_preset)]))
         return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def _cost_model(self, use_tqdm: bool) -> CostModel:
@@ -245,7 +250,8 @@ class LLM:
             def tick(i, n):
                 bar.total = n
                 bar.update(1)
-            model, _steps, _times = profile_cost_model(self.runner, max_tokens=ec.max_num_batched_tokens,
+            runner = self.runner if self.sharding_preset is None else self.runner.every_rank()
+            model, _steps, _times = profile_cost_model(runner, max_tokens=ec.max_num_batched_tokens,
                                                      max_model_len=self.max_model_len, max_seqs=ec.max_num_seqs,
                                                      progress=tick)
         model.save(path, {"jax": jax.__version__, "device": jax.devices()[0].device_kind})
@@ -357,7 +363,8 @@ class LLM:
                 **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {})}
 
     def _dp_stats(self) -> dict:
-        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding."""
+        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding; with the EP MoE the
+        ``eplb_*`` keys (``DPEngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one)."""
         e = self.engine
         return {"dp_rank_requests": list(e.rank_requests), "dp_rank_tokens": list(e.rank_tokens),
-                "dp_rank_idle_steps": list(e.rank_idle_steps)}
+                "dp_rank_idle_steps": list(e.rank_idle_steps), **e.eplb_stats()}

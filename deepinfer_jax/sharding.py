@@ -43,12 +43,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.parallel.ep_moe import DISPATCHES  # MoE token dispatches (ragged_all_to_all: GPU/TPU only)
-from deepinfer_jax.parallel.mesh import auto_mesh
+from deepinfer_jax.parallel.mesh import auto_mesh, put_global
 
 __all__ = [
     "CACHE_AXES", "DISPATCHES", "MESH_AXES", "PARAM_AXES", "PRESET_DIR", "RULES", "EplbSettings", "ShardingError",
     "ShardingPreset", "available_presets", "cache_shardings", "gather_to_host", "init_distributed", "logical_spec",
-    "make_mesh", "param_shardings", "resolve_preset", "shard_cache", "shard_params", "sharded_forward_full",
+    "make_mesh", "param_shardings", "place", "resolve_preset", "shard_cache", "shard_params", "sharded_forward_full",
 ]
 
 #: Where the shipped presets live (package data).
@@ -183,7 +183,9 @@ class EplbSettings:
     window_steps: steps of per-layer expert load kept for the statistics.
     rebalance_period: steps between two placements.
     dispatch: MoE token dispatch, ``"all_to_all"`` (capacity based; runs on CPU) or ``"ragged_all_to_all"``.
-    enabled: False keeps the identity placement (no redundant slots are used).
+    enabled: in the engine (``LLM(sharding=...)`` with ``ep_size > 1``): True runs the MoE layers through the
+        shard_map EP MoE over an EPLB placement (the redundant slots, per-slot load counts, a rebalance every
+        ``rebalance_period`` steps); False leaves the routed experts to GSPMD (no slots, no statistics).
     """
 
     redundant_slots_per_rank: int = 0
@@ -285,11 +287,38 @@ class ShardingPreset:
         self.validate_for(cfg)
         return cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
 
+    @property
+    def engine_expert_parallel(self) -> bool:
+        """Whether the engine's step runs the shard_map EP MoE with EPLB (``ep_size > 1`` and ``eplb.enabled``)."""
+        return self.ep_size > 1 and self.eplb.enabled
+
+    def validate_engine(self) -> None:
+        """ShardingError ``eplb.enabled`` if the engine cannot run its EP MoE on this layout: it runs one program
+        per device, so the experts must lie on one mesh axis and no other parameter axis may be split (no tensor
+        parallel; set ``eplb.enabled = false`` to leave such layouts to GSPMD)."""
+        if not self.engine_expert_parallel:
+            return
+        if len(self.ep_axes) != 1:
+            raise ShardingError("eplb.enabled", f"the engine's EP MoE needs the experts on one mesh axis, the rules "
+                                f"map them to {list(self.ep_axes)}")
+        params = [k for k in RULES if k not in ("batch", "experts", *_FOLLOW_BATCH)]
+        split = sorted({a for k in params for a in self.mesh_axes(k)
+                        if a not in self.ep_axes and self.axis_size(a) > 1})
+        if split:
+            raise ShardingError("eplb.enabled", f"the engine's EP MoE needs no parameter split over {split} (tensor "
+                                f"parallel); set eplb.enabled = false for this preset")
+
     def validate_for(self, cfg) -> None:
-        """ShardingError unless the model's routed experts divide evenly over the EP ranks."""
+        """ShardingError unless the model's routed experts divide evenly over the EP ranks (and, with the engine's
+        EP MoE, a rank's slots do not outnumber the experts)."""
         if cfg.n_routed_experts % self.ep_size:
             raise ShardingError("parallel.ep_size", f"{self.ep_size} does not divide the model's "
                                 f"n_routed_experts {cfg.n_routed_experts}")
+        slots = cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
+        if self.engine_expert_parallel and slots > cfg.n_routed_experts:
+            raise ShardingError("eplb.redundant_slots_per_rank", f"{self.eplb.redundant_slots_per_rank} makes {slots} "
+                                f"slots per EP rank, more than the model's {cfg.n_routed_experts} experts (a rank "
+                                "would hold one expert twice)")
 
     def replace(self, **changes: Any) -> ShardingPreset:
         return dataclasses.replace(self, **changes)
@@ -490,33 +519,25 @@ def cache_shardings(cache, mesh: Mesh, preset: str | ShardingPreset | None = Non
     return jax.tree_util.tree_map_with_path(one, cache)
 
 
-def _place(tree, shardings):
+def place(tree, shardings):
     """Put every leaf of ``tree`` on its sharding; works across processes (each holds the full host value)."""
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def one(leaf, sharding):
-        if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
-            return leaf
-        host = np.asarray(leaf)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(one, tree, shardings)
+    return put_global(tree, shardings)
 
 
 def shard_params(params, mesh: Mesh, preset: str | ShardingPreset | None = None):
     """The parameter state placed on ``mesh`` by the rules (every process passes the same values)."""
-    return _place(params, param_shardings(params, mesh, preset))
+    return place(params, param_shardings(params, mesh, preset))
 
 
 def shard_cache(cache, mesh: Mesh, preset: str | ShardingPreset | None = None):
     """The cache pytree placed on ``mesh`` (slots and blocks split over the DP axes)."""
-    return _place(cache, cache_shardings(cache, mesh, preset))
+    return place(cache, cache_shardings(cache, mesh, preset))
 
 
 def gather_to_host(x: jax.Array) -> np.ndarray:
-    """A (possibly multi-process) global array as one numpy array, on every process."""
-    if x.is_fully_addressable:
+    """A (possibly multi-process) global array as one numpy array, on every process (a replicated one is read
+    locally, anything else is gathered with a collective: every process must call this)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils
 
@@ -574,7 +595,7 @@ def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | Shard
         raise ShardingError("expert_parallel", f"preset {preset.name!r} has no ep axis")
     fn = _sharded_forward(cfg, mesh, preset, bool(expert_parallel))
     params = shard_params(params, mesh, preset)
-    ids = _place(ids.astype(np.int32), NamedSharding(mesh, PartitionSpec(preset.dp_axes or None)))
+    ids = place(ids.astype(np.int32), NamedSharding(mesh, PartitionSpec(preset.dp_axes or None)))
     logits = fn(params, ids)
     return logits[:batch] if pad else logits
 
@@ -619,8 +640,12 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
         return True
     if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes need real collectives
-    jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid,
-                               initialization_timeout=int(timeout_s))
+    try:
+        jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=pid,
+                                   initialization_timeout=int(timeout_s))
+    except RuntimeError as e:  # e.g. JAX already ran something in this process
+        raise ShardingError(f"coordinator_address ({ENV_COORDINATOR})", f"jax.distributed did not start ({e}); call "
+                            "sharding.init_distributed() before any other JAX call") from e
     return True
 
 

@@ -1,6 +1,9 @@
 """Attention data parallel in the engine (issue 7 item 2): the router, the per-rank engine core against a
 fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the one-device engine on 8 fake
-CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1.
+CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1; EPLB inside the running engine (item 4): a rebalance
+mid-run changes no output, the step's counts conserve every pair, the weights really move; and the engine
+over two jax.distributed processes of 4 CPU devices each (``tests/sharded/engine_multihost.py``) against one
+device.
 
 The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
 be set before jax starts, and this process keeps its single CPU device.
@@ -8,11 +11,12 @@ be set before jax starts, and this process keeps its single CPU device.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from sharded import run_checks
+from sharded import finish_processes, run_checks, start_processes
 
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
@@ -155,6 +159,34 @@ def test_dp_core_abort_frees_the_rank_it_ran_on():
     assert core.requests[b].output_ids == [6, 7, 8, 9]
 
 
+def test_dp_core_cost_chunking_plans_every_rank_and_fits_the_slowest():
+    from deepinfer_jax.engine.cost_model import CostModel
+
+    model = CostModel((0.0, 1000.0, 0.0, 0.0))  # 1 us per token; a step's budget buys 6 tokens per rank
+    seen = []
+    model.observe = lambda shape, ns: seen.append(list(shape))
+    core = _engine(dp=2, slots=2, chunking="cost", cost_model=model, step_budget_ns=6000, async_scheduling=False)
+    prompts = [list(range(1, 21)), [5, 6, 7]]  # rank 0 gets the long prompt, rank 1 the short one
+    rids = [core.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts]
+    done = {}
+    while core.has_unfinished:
+        done.update({o.request_id: o for o in core.step()})
+    for rid, p in zip(rids, prompts):
+        assert done[rid].outputs[0].token_ids == [(p[-1] + k) % VOCAB for k in range(1, 4)]
+    steps = core.runner.steps
+    assert all(sum(len(c.token_ids) for c in cs) <= 6 for step in steps for cs in step)  # the budget, per rank
+    assert max(len(c.token_ids) for step in steps for c in step[0]) == 6  # the long prompt came in chunks of 6
+    # each step observed with the slowest rank's (q, c) list: the rank with more tokens
+    want = [max(([(len(c.token_ids), c.ctx_len) for c in cs] for cs in step), key=lambda sh: sum(q for q, _ in sh))
+            for step in steps]
+    assert seen == want and len(seen) == len(steps)
+    with pytest.raises(ValueError, match="chunking"):
+        kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
+              "max_num_batched_tokens": 8, "chunking": "cost", "step_budget_ns": 6000}
+        DPEngineCore(FakeDPRunner(2, 2), [Scheduler(cost_model=CostModel((0, 1, 0, 0)), **kw) for _ in range(2)],
+                     tokenizer=None, eos_token_id=0)
+
+
 def test_dp_core_refuses_what_it_does_not_support():
     core = _engine(dp=2)
     with pytest.raises(RequestError, match="structured_output"):
@@ -173,7 +205,8 @@ def test_dp_core_refuses_what_it_does_not_support():
 def test_engine_config_refuses_unsupported_settings_with_sharding():
     ok = {"sharding": "cpu-dp2-ep4", "chunking": "tokens", "enable_prefix_caching": False}
     assert EngineConfig(**ok).sharding == "cpu-dp2-ep4"
-    for field, value in (("enable_prefix_caching", True), ("chunking", "cost"), ("decoder_replay", True)):
+    assert EngineConfig(**{**ok, "chunking": "cost"}).chunking == "cost"  # cost-model chunking per rank
+    for field, value in (("enable_prefix_caching", True), ("decoder_replay", True)):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{**ok, field: value})
     with pytest.raises(ValueError, match="sharding"):
@@ -195,9 +228,31 @@ def test_llm_refuses_a_mesh_larger_than_the_devices_before_loading():
 # ---- the sharded engine on 8 fake devices (subprocess) ---------------------------------------------
 
 
+MULTIHOST_PRESET = "prefill-ep8-dp8"  # every device a DP rank and an EP rank: ranks and the all_to_all span processes
+MULTIHOST_TIMEOUT_S = 420
+
+
 @pytest.fixture(scope="module")
-def checks() -> dict[str, dict]:
-    return run_checks("dp_engine_check.py", *PRESETS, timeout=600)
+def checks(tmp_path_factory) -> dict[str, dict]:
+    """The 8-device check script, with the two-process engine run started alongside (it overlaps on the two
+    cores); the two-process results are under ``checks["multihost"]``."""
+    tmp = tmp_path_factory.mktemp("dp_engine")
+    multi = start_processes("engine_multihost.py", MULTIHOST_PRESET, str(tmp / "multihost")) if _has_gloo() else None
+    try:
+        out = run_checks("dp_engine_check.py", "--reference", str(tmp / "reference.json"), *PRESETS, timeout=600)
+    except BaseException:
+        for proc in multi or []:
+            proc.kill()
+        raise
+    out["multihost"] = {"tmp": tmp, "results": None if multi is None else finish_processes(multi, MULTIHOST_TIMEOUT_S)}
+    return out
+
+
+def _has_gloo() -> bool:
+    """Whether this jaxlib has CPU collectives across processes (gloo), which the two-process run needs."""
+    import jax
+
+    return hasattr(jax.config, "jax_cpu_collectives_implementation")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -216,7 +271,11 @@ def test_each_rank_holds_its_own_cache_and_the_experts_split_over_ep(checks, pre
     dp = row["dp_size"]
     ep = 8 // dp
     assert row["cache_shape"][0] == dp and row["cache_shard"][0] == 1 and row["cache_spec"].startswith("P('dp'")
-    assert row["manual_axes"] == ["dp"]  # one program per rank along dp; ep left to GSPMD
+    # ep > 1 (eplb.enabled in these presets): the EP MoE, one program per device over the whole mesh, the experts
+    # in EPLB's physical slots (8 experts + 1 redundant slot per EP rank); ep == 1: one program per rank along dp
+    assert row["ep_moe"] == (ep > 1)
+    assert row["manual_axes"] == (["dp", "ep"] if ep > 1 else ["dp"])
+    assert row["experts_w1_shape"][0] == (8 + ep if ep > 1 else 8)
     assert row["experts_w1_shard"][0] == row["experts_w1_shape"][0] // ep
     assert sum(row["rank_requests"]) == 11 and len(row["rank_requests"]) == dp and min(row["rank_requests"]) >= 1
 
@@ -235,8 +294,91 @@ def test_uneven_ranks_idle_while_others_run(checks):
     assert sum(row["rank_idle_steps"]) > 0 and len(set(row["rank_tokens"])) > 1, row
 
 
+# ---- EPLB inside the running engine (the same subprocess) --------------------------------------------
+
+
+def test_a_rebalance_mid_run_changes_no_output(checks):
+    forced, never, vs = checks["eplb_forced"], checks["eplb_never"], checks["eplb_vs_no_rebalance"]
+    assert forced["rebalances"] >= 2 and never["rebalances"] == 0, (forced, never)
+    assert forced["eplb_steps"] == forced["steps"] > 2 * 3  # every step recorded; several periods of 3 steps
+    for row in (forced, never):  # both equal one device, asynchronous and synchronous loops
+        assert row["ids_equal"] and row["reasons_equal"] and row["sync_ids_equal"], row
+        assert row["max_logprob_diff"] < 1e-5 and row["sync_max_logprob_diff"] < 1e-5, row
+        assert not row["recompiled"], row  # new tables are arguments; the weight move was compiled at start-up
+    assert vs["ids_equal"] and vs["num_logprobs"] > 0 and vs["max_logprob_diff"] < 1e-5, vs
+    assert vs["sync_max_logprob_diff"] < 1e-5, vs
+
+
+def test_the_rebalance_really_moved_experts_and_made_replicas(checks):
+    forced, never = checks["eplb_forced"], checks["eplb_never"]
+    assert forced["placement_changed"] and not never["placement_changed"]
+    assert forced["max_replicas"] > 1 and forced["moved_weights_exact"], forced
+    assert forced["slots_per_rank"] == forced["n_experts"] // forced["ep_size"] + 1
+
+
+def test_engine_counts_conserve_every_token_expert_pair(checks):
+    for row in (checks["eplb_forced"], checks["eplb_never"]):
+        assert row["pairs_per_layer"] == [row["expected_pairs"]] * 5, row  # 5 MoE layers, padding not counted
+    assert checks["eplb_vs_no_rebalance"]["same_expert_load"]  # identical routing whatever the placement
+
+
+def test_engine_reports_moe_lb_per_layer(checks):
+    forced = checks["eplb_forced"]
+    for key in ("moe_lb", "moe_lb_before", "moe_lb_after"):
+        assert len(forced[key]) == 5 and all(v >= 1.0 for v in forced[key]), (key, forced[key])
+    never = checks["eplb_never"]
+    assert len(never["moe_lb"]) == 5 and never["moe_lb_before"] is None  # no rebalance was ever due
+
+
+def test_cost_model_chunking_equals_one_device(checks):
+    row = checks["cost_chunking"]
+    assert row["ids_equal"] and row["reasons_equal"] and row["max_logprob_diff"] < 1e-4, row
+    assert row["shared_model"] and sum(row["coef_ns"]) > 0, row  # profiled through the DP runner and fitted
+    # the time budget, not the token budget, sized the chunks: one fresh 8-token chunk's cost buys each rank at most
+    # 16 tokens in its first step (4 chunks whose q**2 sum to <= 64), where the token budget took 32
+    first, token_first = row["first_step_tokens"], row["token_chunking_first_step_tokens"]
+    assert max(first) <= 16 and sum(first) < sum(token_first) and len(first) == 2, row
+    assert row["observed"] == row["predicted"] == row["steps"] and not row["recompiled"], row
+
+
+def test_structured_output_equals_one_device(checks):
+    for name in ("structured", "structured_masks_first"):  # masks on the worker / masks first, synchronous
+        row = checks[name]
+        assert row["ids_equal"] and row["reasons_equal"] and row["max_logprob_diff"] < 1e-4, row
+        assert row["follows_grammar"] == [True] * 4 and row["reasons"][1] == "error", row  # the dead grammar
+        assert row["mask_rows"] > 0 and not row["recompiled"], row
+
+
+# ---- the engine across two processes (jax.distributed, 4 CPU devices each, gloo) -----------------------
+
+
+def test_the_engine_over_two_processes_equals_one_device(checks):
+    multi = checks["multihost"]
+    if multi["results"] is None:
+        pytest.skip("this jaxlib has no CPU collectives across processes (gloo)")
+    for code, out in multi["results"]:
+        assert code == 0, f"rc {code} (None = killed after {MULTIHOST_TIMEOUT_S} s):\n{out[-4000:]}"
+    rows = [json.loads((multi["tmp"] / f"multihost{i}.json").read_text()) for i in range(2)]
+    want = json.loads((multi["tmp"] / "reference.json").read_text())
+    assert [r["process"] for r in rows] == [0, 1]
+    assert all(r["processes"] == 2 and r["devices"] == 8 and r["local_devices"] == 4 for r in rows), rows
+    assert rows[0]["outputs"] == rows[1]["outputs"] and rows[0]["total_load"] == rows[1]["total_load"]
+    got = rows[0]["outputs"]
+    assert len(got) == len(want) == 11 and sum(len(w["ids"]) for w in want) > 0
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    assert [g["reason"] for g in got] == [w["reason"] for w in want]
+    diffs = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w["lp"], g["lp"])]
+    assert diffs and max(diffs) < 1e-5, max(diffs)
+    assert all(r["rebalances"] >= 1 and not r["recompiled"] for r in rows), rows  # EPLB moved weights in both
+    assert rows[0]["steps"] == rows[1]["steps"] > 3
+
+
 def test_bad_presets_give_a_clear_error(checks):
     row = checks["too_many_devices"]
     assert row["error"] == "ShardingError" and row["field"] == "mesh.shape" and "16 devices" in row["message"]
     row = checks["experts_not_divisible"]
     assert row["error"] == "ShardingError" and row["field"] == "parallel.ep_size" and "n_routed_experts 8" in row["message"]
+    row = checks["eplb_with_tp"]  # the EP MoE runs one program per device: no tensor parallel
+    assert row["error"] == "ShardingError" and row["field"] == "eplb.enabled" and "['tp']" in row["message"], row
+    row = checks["ragged_on_cpu"]
+    assert row["error"] == "ShardingError" and row["field"] == "eplb.dispatch" and "all_to_all" in row["message"], row

@@ -218,3 +218,41 @@ def test_rebalancer_replaces_the_placement_every_period():
     assert new[:4] == [None] * 4 and new[4] is not None and reb.placement is new[4] and reb.placement != start
     assert (moe_lb(load, reb.placement) < reb.last_moe_lb).all()
     assert all(reb.record(load) is None for _ in range(5))  # same load: the same placement, nothing to move
+
+
+def test_rebalancer_from_slot_counts_measures_the_window_and_the_last_rebalance():
+    policy = RebalancePolicy(redundant_per_rank=1, window=2, period=3)
+    start = identity_placement(2, 8, 4, 1)
+    reb = Rebalancer(2, 8, 4, policy, start)
+    hot = np.zeros((2, 8), np.int64)
+    hot[:, 0] = 30  # expert 0 is hot: it has two copies at the start (slots 0 and 8, ranks 0 and 2)
+    hot[:, 1:] = 2
+    rng = np.random.default_rng(0)
+    slot_steps = []
+    for _ in range(3):  # per-slot counts of an uneven split between expert 0's copies
+        slots = np.zeros((2, start.n_slots), np.int64)
+        for layer in range(2):
+            for e in range(8):
+                copies = start.replicas(layer, e)
+                share = rng.multinomial(hot[layer, e], np.full(len(copies), 1 / len(copies)))
+                slots[layer, copies] += share
+        slot_steps.append(slots)
+    assert reb.record_slots(slot_steps[0]) is None and reb.record_slots(slot_steps[1]) is None
+    assert reb.last_moe_lb is None and reb.rebalances == 0
+    measured = slot_rank_loads(slot_steps[1] + slot_steps[2], 4)  # the window: the last 2 steps, as measured
+    new = reb.record_slots(slot_steps[2])
+    np.testing.assert_allclose(reb.last_measured_moe_lb, measured.max(1) / measured.mean(1))
+    load = expert_counts(slot_steps[1] + slot_steps[2], start)
+    np.testing.assert_allclose(reb.last_moe_lb, moe_lb(load, start))
+    assert new is not None and reb.placement is new and reb.rebalances == 1
+    np.testing.assert_allclose(reb.last_expected_moe_lb, moe_lb(load, new))
+    assert (reb.last_expected_moe_lb < reb.last_moe_lb).all()
+    np.testing.assert_array_equal(reb.total_load, sum(expert_counts(s, start) for s in slot_steps))
+    np.testing.assert_allclose(reb.window_moe_lb(), reb.last_measured_moe_lb)
+    # a step dispatched before the rebalance is read with the placement it ran under
+    reb.record_slots(slot_steps[0], start)
+    np.testing.assert_array_equal(reb.stats.load(), expert_counts(slot_steps[2] + slot_steps[0], start))
+    with pytest.raises(ValueError, match="placement"):
+        Rebalancer(2, 8, 4, RebalancePolicy(redundant_per_rank=2), start)
+    with pytest.raises(ValueError, match="rank_load_LR"):
+        reb.record(load, np.ones((2, 3)))

@@ -99,9 +99,9 @@ class EngineConfig:
             (engine.md §4): a preset name (``deepinfer_jax/config/sharding/*.toml``, e.g.
             ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``sharding.ShardingPreset``; None =
             one device. Each DP rank is then its own scheduling domain: ``max_num_seqs``,
-            ``num_blocks`` and ``max_num_batched_tokens`` are per rank. Needs
-            ``enable_prefix_caching=False`` and ``chunking="tokens"``, and refuses ``decoder_replay``
-            and structured output (not supported with DP yet).
+            ``num_blocks`` and ``max_num_batched_tokens`` are per rank (``step_budget_ns`` too: every
+            rank's chunks fit it, with one shared cost model). Needs ``enable_prefix_caching=False``
+            and refuses ``decoder_replay`` and speculation (not supported with DP yet).
         speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
             "auto" (the default: "dspark" when the checkpoint has a drafter, else "none"), "none",
             "fixed" or "dspark". Lossless: greedy outputs are those of "none", sampled ones follow the
@@ -194,7 +194,6 @@ class EngineConfig:
             raise ValueError(f"sharding must be a preset name, a .toml path, a ShardingPreset or None, "
                              f"got {self.sharding!r}")
         for name, bad, want in (("enable_prefix_caching", self.enable_prefix_caching, "False"),
-                                ("chunking", self.chunking != "tokens", "'tokens'"),
                                 ("decoder_replay", self.decoder_replay, "False"),
                                 ("speculation", self.speculation not in ("auto", "none"), "'auto' or 'none'")):
             if bad:

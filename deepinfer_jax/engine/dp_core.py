@@ -8,17 +8,32 @@ ranks step together in one jitted program; idle ranks run padding) and reconcile
 tokens exactly as ``EngineCore`` does: synchronous, or asynchronous with the host one step behind
 (engine.md §2.2). Request validation, stop rules, outputs and statistics are ``EngineCore``'s.
 
+EPLB (engine.md §3), when the runner runs the EP MoE (``DPRunner.placement`` is set): each reconciled
+step's per-slot pair counts go into a ``parallel.eplb_policy.Rebalancer`` (window and period from the
+preset's ``eplb`` settings); when a rebalance is due it computes the new placement and the runner moves
+the expert weights before the next step is dispatched (steps already in flight finish on the old ones;
+no token is dropped or recomputed). ``eplb_stats()`` reports the balance (``LLM.stats``' ``eplb_*`` keys).
+
+Cost-model chunking (``chunking="cost"``): every rank's scheduler plans its own chunks against the
+step budget with one shared ``CostModel``; a DP step lasts as long as its slowest rank, so the step is
+predicted by, and the model refitted on, the rank whose plan predicts the most time (``_DPPlan``).
+
+Structured output: the token masks of every rank's constrained rows are computed as in ``EngineCore``
+(on the worker thread while the device runs the model step, or first with ``overlap=False``) into one
+``[dp * rows, words]`` mask, row ``d * rows + k`` for rank d's k-th request (``DPForward.chunk_rows``),
+which the DP sampling program applies.
+
 Not supported with DP yet (each refused with a clear error naming the setting): prefix caching
-(``enable_prefix_caching``), structured output (``SamplingParams.structured_output``, a
-``RequestError``), cost-model chunking (``chunking="cost"``) and decoder bounded replay
-(``decoder_replay``); ``EngineConfig`` refuses the last three when ``sharding`` is set.
+(``enable_prefix_caching``) and decoder bounded replay (``decoder_replay``); ``EngineConfig``
+refuses both when ``sharding`` is set.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
@@ -26,13 +41,31 @@ from deepinfer_jax.engine.core import EngineCore, _InFlight
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.engine.request import Request
-from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
+from deepinfer_jax.engine.sampling_params import SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.engine.structured import StructuredOutputs
+from deepinfer_jax.parallel.eplb_policy import RebalancePolicy, Rebalancer
 
 if TYPE_CHECKING:
     from deepinfer_jax.runner.dp_runner import DPRunner
 
 __all__ = ["DPEngineCore"]
+
+
+@dataclass
+class _DPPlan(SchedulerOutput):
+    """Every rank's chunks as one plan; ``cost_shape`` is the slowest rank's (q, c) list, the cost model's view of
+    the step (``predicted_ns`` is that rank's prediction)."""
+
+    cost_shape: list | None = None
+
+    def shape(self) -> list[tuple[int, int]]:
+        return super().shape() if self.cost_shape is None else self.cost_shape
+
+
+@dataclass
+class _DPInFlight(_InFlight):
+    forward: Any = None  # the runner's DPForward when EPLB reads its slot counts
 
 
 class DPEngineCore(EngineCore):
@@ -46,7 +79,8 @@ class DPEngineCore(EngineCore):
     """
 
     def __init__(self, runner: DPRunner, schedulers: Sequence[Scheduler], *, tokenizer: Tokenizer | None,
-                 eos_token_id: int, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5) -> None:
+                 eos_token_id: int, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
+                 structured: StructuredOutputs | None = None) -> None:
         schedulers = list(schedulers)
         if len(schedulers) != runner.dp_size:
             raise ValueError(f"schedulers: one per DP rank ({runner.dp_size}), got {len(schedulers)}")
@@ -54,24 +88,27 @@ class DPEngineCore(EngineCore):
             if s.prefix is not None:
                 raise ValueError("enable_prefix_caching: prefix caching is not supported with attention data "
                                  "parallel yet (set it to False)")
-            if s.chunking != "tokens":
-                raise ValueError("chunking: only 'tokens' is supported with attention data parallel yet")
+            if s.chunking == "cost" and s.cost_model is not schedulers[0].cost_model:
+                raise ValueError("chunking: with chunking='cost' every DP rank's scheduler must share one cost model")
             if s.decoder_keep is not None:
                 raise ValueError("decoder_replay: not supported with attention data parallel yet")
         super().__init__(runner, schedulers[0], tokenizer=tokenizer, eos_token_id=eos_token_id, seed=seed,
-                         async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=None)
+                         async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=structured)
         self.schedulers = schedulers
         self._rank: dict[str, int] = {}  # unfinished request id -> its DP rank
         self.rank_requests = [0] * len(schedulers)
         self.rank_tokens = [0] * len(schedulers)
         self.rank_idle_steps = [0] * len(schedulers)
+        #: The EPLB loop (None without the EP MoE); its ``placement`` is the one the next step runs with.
+        self.eplb: Rebalancer | None = None
+        placement = getattr(runner, "placement", None)
+        if placement is not None:
+            knobs = runner.preset.eplb
+            policy = RebalancePolicy(redundant_per_rank=knobs.redundant_slots_per_rank, window=knobs.window_steps,
+                                     period=knobs.rebalance_period)
+            self.eplb = Rebalancer(placement.n_layers, placement.n_experts, placement.n_ranks, policy, placement)
 
     # ---- requests ----
-    def validate(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> list[int]:
-        if isinstance(params, SamplingParams) and params.constraint is not None:
-            raise RequestError("structured_output", "not supported with attention data parallel (sharding) yet")
-        return super().validate(prompt_ids, params, request_id)
-
     def loads(self) -> list[RankLoad]:
         """Every rank's unfinished requests and their total tokens (the router's view)."""
         return [RankLoad(len(s.waiting) + len(s.running), sum(r.num_tokens for r in (*s.waiting, *s.running)))
@@ -105,18 +142,75 @@ class DPEngineCore(EngineCore):
         self._inflight = None
         finished: list[RequestOutput] = []
         launched = None
-        plan = SchedulerOutput(chunks=[c for p in plans for c in p.chunks],
-                               preempted=[r for p in plans for r in p.preempted])
+        plan = _DPPlan(chunks=[c for p in plans for c in p.chunks], preempted=[r for p in plans for r in p.preempted])
+        costed = [p for p in plans if p.predicted_ns is not None]
+        if costed:  # chunking="cost": the slowest rank sets the step time
+            slowest = max(costed, key=lambda p: p.predicted_ns)
+            plan.predicted_ns, plan.cost_shape = slowest.predicted_ns, slowest.shape()
         if plan.chunks:
-            fwd = self.runner.forward([[self._spec(c) for c in p.chunks] for p in plans])
-            launched = _InFlight(plan, None, time.perf_counter())
-            launched.pending = self.runner.sample(fwd)
+            specs = [[self._spec(c) for c in p.chunks] for p in plans]
+            rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
+                    if c.sample and c.request.matcher is not None]  # (matcher, chunk index)
+            masks = None
+            if rows and not self.structured.overlap:  # the baseline: masks first, the device waits
+                if prev is not None:  # the masks need the previous step's tokens
+                    finished += self._reconcile(prev)
+                    prev = None
+                height, at = self.runner.sample_rows(specs)
+                masks = self.structured.masks(height, [(m, at[i]) for m, i in rows])
+            fwd = self.runner.forward(specs)
+            launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
+            if rows and masks is None:  # computed on the worker while the device runs the model step
+                job = []
+                submit = lambda: job.append(self.structured.submit(fwd.rows, [(m, fwd.chunk_rows[i]) for m, i in rows]))
+                if prev is not None:
+                    finished += self._reconcile(prev, on_tokens=submit)
+                    prev = None
+                else:
+                    submit()
+                masks = job[0].result()
+            mask = None
+            if rows:
+                mask, dead = masks
+                chunk_of_row = {fwd.chunk_rows[i]: i for _, i in rows}
+                for row, reason in dead.items():
+                    r = plan.chunks[chunk_of_row[row]].request
+                    if not r.finished:
+                        r.finished_time = time.perf_counter()
+                        self._finish(r, "error", reason)
+                        finished.append(r.to_output())
+            launched.pending = self.runner.sample(fwd, mask)
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
             for d, p in enumerate(plans):
                 self.rank_tokens[d] += p.num_tokens
                 self.rank_idle_steps[d] += not p.chunks
         return self._close_step(plan, t0, host0, prev, launched, finished)
+
+    def _reconcile(self, step: _InFlight, on_tokens=None) -> list[RequestOutput]:
+        finished = super()._reconcile(step, on_tokens)
+        fwd = getattr(step, "forward", None)
+        if self.eplb is not None and fwd is not None:  # the step's expert load; maybe a rebalance before the next
+            new = self.eplb.record_slots(self.runner.slot_counts(fwd), fwd.placement)
+            if new is not None:
+                self.runner.set_placement(new)
+        return finished
+
+    def eplb_stats(self) -> dict:
+        """EPLB counters (empty without the EP MoE), lists per MoE layer: ``eplb_steps`` recorded,
+        ``eplb_rebalances`` (placements that changed), ``eplb_moe_lb`` (max rank load / mean rank load over the
+        current window, measured from the slot counts), ``eplb_moe_lb_before`` (the same, measured at the latest
+        due rebalance, just before it) and ``eplb_moe_lb_after`` (that window's load under the new placement,
+        split evenly over the copies: expected, not measured), ``eplb_max_replicas`` (most copies of one expert
+        in the current placement)."""
+        reb = self.eplb
+        if reb is None:
+            return {}
+        as_list = lambda a: None if a is None else [float(x) for x in a]
+        return {"eplb_steps": reb.stats.steps, "eplb_rebalances": reb.rebalances,
+                "eplb_moe_lb": as_list(reb.window_moe_lb()), "eplb_moe_lb_before": as_list(reb.last_measured_moe_lb),
+                "eplb_moe_lb_after": as_list(reb.last_expected_moe_lb),
+                "eplb_max_replicas": int(reb.placement.replica_count.max())}
 
     def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
         self.schedulers[self._rank.pop(r.request_id)].finish(r, reason, stop_reason)

@@ -22,6 +22,8 @@ Two dispatch implementations (``EPConfig.dispatch``):
 
 ``ep_moe`` returns the routed output only (the shared expert is replicated and added outside) and
 ``EPStats``: per-slot token counts (summed over the mesh, for ``LoadStats``), passes, overflow.
+``ep_moe_local`` is the per-device body, for callers already inside a ``shard_map`` (the engine's DP
+step, ``parallel.ep_model.step_experts``); it also skips padding tokens (neither sent nor counted).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.moe import route, swiglu
 from deepinfer_jax.parallel.mesh import shard_map
 
-__all__ = ["DISPATCHES", "EPConfig", "EPLayer", "EPStats", "ep_moe", "expert_rows"]
+__all__ = ["DISPATCHES", "EPConfig", "EPLayer", "EPStats", "ep_moe", "ep_moe_local", "expert_rows", "linear_index"]
 
 DISPATCHES = ("all_to_all", "ragged_all_to_all")
 TABLES = ("phys_to_log", "slots_by_expert", "first_slot", "replica_count")
@@ -112,11 +114,12 @@ def expert_rows(x_Rd: jax.Array, slot_R: jax.Array, weight_R: jax.Array, w1_Sfd:
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _linear_index(axes: tuple[str, ...], mesh: Mesh) -> jax.Array:
-    """This device's position along ``axes`` (row-major), inside shard_map."""
+def linear_index(axes: tuple[str, ...], sizes) -> jax.Array:
+    """This device's position along ``axes`` (row-major; ``sizes``: axis name -> size, e.g. ``mesh.shape``),
+    inside shard_map."""
     idx = jnp.int32(0)
     for name in axes:
-        idx = idx * mesh.shape[name] + lax.axis_index(name)
+        idx = idx * sizes[name] + lax.axis_index(name)
     return idx
 
 
@@ -150,6 +153,97 @@ def _check(x_Nd, gate_weight_Ed, experts, tables, mesh: Mesh, config: EPConfig) 
     return token_axes, n_slots
 
 
+def ep_moe_local(x: jax.Array, gate_w: jax.Array, gate_b: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+                 tables: dict, *, ep_axis: str, ep: int, sync_axes: tuple[str, ...], token_offset, top_k: int,
+                 scale: float, renormalize: bool, limit: float, config: EPConfig = EPConfig(),
+                 valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The EP MoE of one device, called *inside* ``shard_map`` (``ep_axis`` and ``sync_axes`` manual).
+
+    ``x`` [n, d]: this device's tokens; ``w1``/``w3`` [S, f, d], ``w2`` [S, d, f]: its ``S`` local slots (slot
+    ``s`` of rank ``r`` is physical slot ``r * S + s``); ``tables``: ``Placement.tables(layer)`` (int32,
+    replicated). ``token_offset`` + row index is the token's number for the choice of replica. ``valid`` [n]
+    (default all) marks real tokens: padding tokens are neither sent nor counted (their output is 0).
+    ``sync_axes``: every manual axis (the devices agree on the number of all_to_all passes over them).
+    Returns (routed output [n, d] fp32, this device's pairs per physical slot [P] int32, passes, pairs of
+    this device that missed the first pass); sum the last two over the token axes yourself.
+    """
+    n, d = x.shape
+    n_slots = tables["phys_to_log"].shape[0]
+    spr = n_slots // ep
+    n_pairs = n * top_k
+    capacity = config.capacity or max(1, math.ceil(config.capacity_factor * n_pairs / ep))
+    capacity = min(capacity, n_pairs)
+    logits = matmul_t(x.astype(jnp.float32), gate_w.astype(jnp.float32))
+    weight_nk, ids_nk = route(logits, gate_b, top_k, scale, renormalize)
+    token = token_offset + jnp.arange(n, dtype=jnp.int32)
+    replica = token[:, None] % tables["replica_count"][ids_nk]
+    slot = tables["slots_by_expert"][tables["first_slot"][ids_nk] + replica].reshape(-1)  # [A] slot of each pair
+    live = jnp.ones((n_pairs,), bool) if valid is None else jnp.repeat(valid.astype(bool), top_k)
+    counts = jnp.zeros((n_slots,), jnp.int32).at[slot].add(live.astype(jnp.int32))
+    dest, local_slot = slot // spr, slot % spr
+    x_pairs, w_pairs = x[jnp.arange(n_pairs) // top_k], weight_nk.reshape(-1)
+    weights = (w1, w3, w2)
+    if config.dispatch == "all_to_all":
+        out, passes, overflow = _dispatch_all_to_all(x_pairs, w_pairs, dest, local_slot, live, weights, ep_axis, ep,
+                                                     capacity, sync_axes, limit)
+    else:
+        out = _dispatch_ragged(x_pairs, w_pairs, dest, local_slot, live, weights, ep_axis, ep, limit)
+        passes, overflow = jnp.int32(1), jnp.int32(0)
+    return out.reshape(n, top_k, d).sum(1), counts, passes, overflow
+
+
+def _dispatch_all_to_all(x_pairs, w_pairs, dest, local_slot, live, weights, ep_axis, ep, capacity, sync_axes, limit):
+    d = x_pairs.shape[1]
+    onehot = (dest[:, None] == jnp.arange(ep)[None]) & live[:, None]
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0, dtype=jnp.int32), dest[:, None], 1)[:, 0] - 1
+    fullest = lax.pmax(jnp.max(onehot.sum(0, dtype=jnp.int32)), sync_axes)
+    passes = (fullest + capacity - 1) // capacity  # 0 when nothing is sent anywhere
+    overflow = jnp.sum(live & (pos >= capacity), dtype=jnp.int32)
+
+    def one_pass(state):
+        p, out = state
+        sel = live & (pos >= p * capacity) & (pos < (p + 1) * capacity)
+        row = jnp.where(sel, pos - p * capacity, capacity)  # out of range: dropped by the scatter
+        send_x = jnp.zeros((ep, capacity, d), x_pairs.dtype).at[dest, row].set(x_pairs, mode="drop")
+        send_s = jnp.full((ep, capacity), -1, jnp.int32).at[dest, row].set(local_slot, mode="drop")
+        send_w = jnp.zeros((ep, capacity), jnp.float32).at[dest, row].set(w_pairs, mode="drop")
+        recv_x, recv_s, recv_w = (lax.all_to_all(a, ep_axis, 0, 0) for a in (send_x, send_s, send_w))
+        y = expert_rows(recv_x.reshape(ep * capacity, d), recv_s.reshape(-1), recv_w.reshape(-1), *weights,
+                        limit).reshape(ep, capacity, d)
+        back = lax.all_to_all(y, ep_axis, 0, 0)
+        got = back[dest, jnp.minimum(row, capacity - 1)].astype(jnp.float32)
+        return p + 1, out + jnp.where(sel[:, None], got, 0.0)
+
+    out0 = jnp.zeros((x_pairs.shape[0], d), jnp.float32)
+    _, out = lax.while_loop(lambda s: s[0] < passes, one_pass, (jnp.int32(0), out0))
+    return out, passes, overflow
+
+
+def _dispatch_ragged(x_pairs, w_pairs, dest, local_slot, live, weights, ep_axis, ep, limit):
+    n_pairs, d = x_pairs.shape
+    order = jnp.argsort(jnp.where(live, dest, ep), stable=True)  # padding pairs last, never sent
+    send_sizes = jnp.zeros((ep,), jnp.int32).at[dest].add(live.astype(jnp.int32))
+    in_offsets = jnp.cumsum(send_sizes) - send_sizes
+    sizes_sd = lax.all_gather(send_sizes, ep_axis)  # [ep source, ep destination]
+    me = lax.axis_index(ep_axis)
+    out_offsets = (jnp.cumsum(sizes_sd, 0) - sizes_sd)[me]  # where my rows start in each receiver
+    recv_sizes = sizes_sd[:, me]
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    buf = ep * n_pairs  # worst case: every pair of the group to this rank
+
+    def exchange(a, fill):
+        out = jnp.full((buf,) + a.shape[1:], fill, a.dtype)
+        return lax.ragged_all_to_all(a[order], out, in_offsets, send_sizes, out_offsets, recv_sizes,
+                                     axis_name=ep_axis)
+
+    rx, rs, rw = exchange(x_pairs, 0), exchange(local_slot, -1), exchange(w_pairs, 0)
+    y = expert_rows(rx, rs, rw, *weights, limit)
+    back_offsets = lax.all_gather(in_offsets, ep_axis)[:, me]  # where each source's rows for me started
+    yb = lax.ragged_all_to_all(y, jnp.zeros((n_pairs, d), y.dtype), recv_offsets, recv_sizes, back_offsets,
+                               send_sizes, axis_name=ep_axis)
+    return jnp.zeros((n_pairs, d), jnp.float32).at[order].set(yb.astype(jnp.float32))
+
+
 def ep_moe(x_Nd: jax.Array, gate_weight_Ed: jax.Array, gate_bias_E: jax.Array, experts: dict, tables: dict, *,
            mesh: Mesh, top_k: int, scale: float, renormalize: bool, limit: float,
            config: EPConfig = EPConfig()) -> tuple[jax.Array, EPStats]:
@@ -158,86 +252,20 @@ def ep_moe(x_Nd: jax.Array, gate_weight_Ed: jax.Array, gate_bias_E: jax.Array, e
 
     ``experts``: ``w1``/``w3`` [P, f, d], ``w2`` [P, d, f] stacked over physical slots (sharded over
     ``ep``); ``tables``: ``Placement.tables(layer)`` (int32, replicated). ``top_k``/``scale``/
-    ``renormalize``/``limit`` are the ``MoE`` module's routing and SwiGLU settings.
+    ``renormalize``/``limit`` are the ``MoE`` module's routing and SwiGLU settings. One ``shard_map`` over
+    the whole mesh around ``ep_moe_local``.
     """
-    token_axes, n_slots = _check(x_Nd, gate_weight_Ed, experts, tables, mesh, config)
+    token_axes, _ = _check(x_Nd, gate_weight_Ed, experts, tables, mesh, config)
     ep_axis, ep = config.ep_axis, mesh.shape[config.ep_axis]
-    spr = n_slots // ep
     all_axes = tuple(mesh.axis_names)
-    n_local = x_Nd.shape[0] // math.prod(mesh.shape[a] for a in token_axes)
-    n_pairs = n_local * top_k
-    capacity = config.capacity or max(1, math.ceil(config.capacity_factor * n_pairs / ep))
-    capacity = min(capacity, n_pairs)
 
-    def body(x, gate_w, gate_b, w1, w3, w2, phys_to_log, slots_by_expert, first_slot, replica_count):
-        del phys_to_log
-        n, d = x.shape
-        logits = matmul_t(x.astype(jnp.float32), gate_w.astype(jnp.float32))
-        weight_nk, ids_nk = route(logits, gate_b, top_k, scale, renormalize)
-        token = _linear_index(token_axes, mesh) * n + jnp.arange(n, dtype=jnp.int32)
-        replica = token[:, None] % replica_count[ids_nk]
-        slot = slots_by_expert[first_slot[ids_nk] + replica].reshape(-1)  # [A] physical slot of each pair
-        counts = lax.psum(jnp.zeros((n_slots,), jnp.int32).at[slot].add(1), token_axes)
-        dest, local_slot = slot // spr, slot % spr
-        row_of_pair = jnp.arange(n_pairs) // top_k
-        x_pairs, w_pairs = x[row_of_pair], weight_nk.reshape(-1)
-        if config.dispatch == "all_to_all":
-            out, passes, overflow = _dispatch_all_to_all(x_pairs, w_pairs, dest, local_slot, (w1, w3, w2))
-        else:
-            out = _dispatch_ragged(x_pairs, w_pairs, dest, local_slot, (w1, w3, w2))
-            passes, overflow = jnp.int32(1), jnp.int32(0)
-        y = out.reshape(n, top_k, d).sum(1)
-        return y, counts, passes, overflow
-
-    def _dispatch_all_to_all(x_pairs, w_pairs, dest, local_slot, weights):
-        d = x_pairs.shape[1]
-        onehot = dest[:, None] == jnp.arange(ep)[None]
-        pos = jnp.take_along_axis(jnp.cumsum(onehot, 0, dtype=jnp.int32), dest[:, None], 1)[:, 0] - 1
-        fullest = lax.pmax(jnp.max(onehot.sum(0, dtype=jnp.int32)), all_axes)
-        passes = (fullest + capacity - 1) // capacity
-        overflow = lax.psum(jnp.sum(pos >= capacity, dtype=jnp.int32), token_axes)
-
-        def one_pass(state):
-            p, out = state
-            sel = (pos >= p * capacity) & (pos < (p + 1) * capacity)
-            row = jnp.where(sel, pos - p * capacity, capacity)  # out of range: dropped by the scatter
-            send_x = jnp.zeros((ep, capacity, d), x_pairs.dtype).at[dest, row].set(x_pairs, mode="drop")
-            send_s = jnp.full((ep, capacity), -1, jnp.int32).at[dest, row].set(local_slot, mode="drop")
-            send_w = jnp.zeros((ep, capacity), jnp.float32).at[dest, row].set(w_pairs, mode="drop")
-            recv_x, recv_s, recv_w = (lax.all_to_all(a, ep_axis, 0, 0) for a in (send_x, send_s, send_w))
-            y = expert_rows(recv_x.reshape(ep * capacity, d), recv_s.reshape(-1), recv_w.reshape(-1), *weights,
-                            limit).reshape(ep, capacity, d)
-            back = lax.all_to_all(y, ep_axis, 0, 0)
-            got = back[dest, jnp.minimum(row, capacity - 1)].astype(jnp.float32)
-            return p + 1, out + jnp.where(sel[:, None], got, 0.0)
-
-        out0 = jnp.zeros((x_pairs.shape[0], d), jnp.float32)
-        _, out = lax.while_loop(lambda s: s[0] < passes, one_pass, (jnp.int32(0), out0))
-        return out, passes, overflow
-
-    def _dispatch_ragged(x_pairs, w_pairs, dest, local_slot, weights):
-        n_pairs_, d = x_pairs.shape
-        order = jnp.argsort(dest, stable=True)
-        send_sizes = jnp.zeros((ep,), jnp.int32).at[dest].add(1)
-        in_offsets = jnp.cumsum(send_sizes) - send_sizes
-        sizes_sd = lax.all_gather(send_sizes, ep_axis)  # [ep source, ep destination]
-        me = lax.axis_index(ep_axis)
-        out_offsets = (jnp.cumsum(sizes_sd, 0) - sizes_sd)[me]  # where my rows start in each receiver
-        recv_sizes = sizes_sd[:, me]
-        recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
-        buf = ep * n_pairs_  # worst case: every pair of the group to this rank
-
-        def exchange(a, fill):
-            out = jnp.full((buf,) + a.shape[1:], fill, a.dtype)
-            return lax.ragged_all_to_all(a[order], out, in_offsets, send_sizes, out_offsets, recv_sizes,
-                                         axis_name=ep_axis)
-
-        rx, rs, rw = exchange(x_pairs, 0), exchange(local_slot, -1), exchange(w_pairs, 0)
-        y = expert_rows(rx, rs, rw, *weights, limit)
-        back_offsets = lax.all_gather(in_offsets, ep_axis)[:, me]  # where each source's rows for me started
-        yb = lax.ragged_all_to_all(y, jnp.zeros((n_pairs_, d), y.dtype), recv_offsets, recv_sizes, back_offsets,
-                                   send_sizes, axis_name=ep_axis)
-        return jnp.zeros((n_pairs_, d), jnp.float32).at[order].set(yb.astype(jnp.float32))
+    def body(x, gate_w, gate_b, w1, w3, w2, *table_arrays):
+        offset = linear_index(token_axes, mesh.shape) * x.shape[0]
+        y, counts, passes, overflow = ep_moe_local(
+            x, gate_w, gate_b, w1, w3, w2, dict(zip(TABLES, table_arrays)), ep_axis=ep_axis, ep=ep,
+            sync_axes=all_axes, token_offset=offset, top_k=top_k, scale=scale, renormalize=renormalize, limit=limit,
+            config=config)
+        return y, lax.psum(counts, token_axes), passes, lax.psum(overflow, token_axes)
 
     tok = P(token_axes)
     fn = shard_map(body, mesh,

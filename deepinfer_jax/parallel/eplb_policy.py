@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepinfer_jax.parallel.eplb import Placement, compute_placement, identity_placement, moe_lb
+from deepinfer_jax.parallel.eplb import (
+    Placement,
+    _max_over_mean,
+    compute_placement,
+    identity_placement,
+    moe_lb,
+    rank_loads,
+    slot_rank_loads,
+)
 
 __all__ = ["LoadStats", "RebalancePolicy", "Rebalancer", "expert_counts"]
 
@@ -106,26 +114,65 @@ def expert_counts(slot_counts_LP, placement: Placement) -> np.ndarray:
 class Rebalancer:
     """The EPLB loop of one engine: ``record`` each step's expert counts; a new placement every ``period`` steps.
 
-    Starts from ``identity_placement``; ``placement`` is the current one and ``last_moe_lb`` [L] the window's
-    balance under it, measured just before the latest rebalance (None before the first).
+    Starts from ``placement`` (default ``identity_placement`` with the policy's redundant slots); ``placement``
+    is the current one. Besides the expert-load window it keeps each step's rank loads [L, R] over the same
+    window (measured from per-slot counts with ``record_slots``, else each expert's load split evenly over its
+    copies), and at every due step, just before the rebalance: ``last_moe_lb`` [L] (the window's expert load
+    under the old placement, split evenly), ``last_measured_moe_lb`` [L] (``window_moe_lb()`` then) and
+    ``last_expected_moe_lb`` [L] (the same window's load under the new placement, split evenly: a
+    prediction). All three are None before the first due step. ``rebalances`` counts placements that changed;
+    ``total_load`` [L, E] sums every recorded step.
     """
 
-    def __init__(self, n_layers: int, n_experts: int, n_ranks: int, policy: RebalancePolicy):
+    def __init__(self, n_layers: int, n_experts: int, n_ranks: int, policy: RebalancePolicy,
+                 placement: Placement | None = None):
         self.policy = policy
-        self.placement = identity_placement(n_layers, n_experts, n_ranks, policy.redundant_per_rank)
+        if placement is None:
+            placement = identity_placement(n_layers, n_experts, n_ranks, policy.redundant_per_rank)
+        elif (placement.n_layers, placement.n_experts, placement.n_ranks) != (n_layers, n_experts, n_ranks) or \
+                placement.slots_per_rank != n_experts // n_ranks + policy.redundant_per_rank:
+            raise ValueError(f"placement: {placement.n_layers} layers x {placement.n_experts} experts over "
+                             f"{placement.n_ranks} ranks ({placement.slots_per_rank} slots each) does not match "
+                             f"{n_layers} x {n_experts} over {n_ranks} with {policy.redundant_per_rank} redundant")
+        self.placement = placement
         self.stats = LoadStats(n_layers, n_experts, policy.window)
+        self._rank_ring = np.zeros((policy.window, n_layers, n_ranks))
+        self.total_load = np.zeros((n_layers, n_experts), np.int64)
+        self.rebalances = 0
         self.last_moe_lb: np.ndarray | None = None
+        self.last_measured_moe_lb: np.ndarray | None = None
+        self.last_expected_moe_lb: np.ndarray | None = None
 
-    def record(self, counts_LE) -> Placement | None:
-        """Record one step; returns the new placement when one is due and differs from the current one."""
+    def record(self, counts_LE, rank_load_LR=None) -> Placement | None:
+        """Record one step (``rank_load_LR``: its measured rank loads, default: modelled under the current
+        placement); returns the new placement when one is due and differs from the current one."""
         self.stats.record(counts_LE)
+        counts = np.asarray(counts_LE, np.int64)
+        self.total_load += counts
+        ranks = rank_loads(counts, self.placement) if rank_load_LR is None else np.asarray(rank_load_LR, np.float64)
+        if ranks.shape != self._rank_ring.shape[1:]:
+            raise ValueError(f"rank_load_LR has shape {ranks.shape}, expected {self._rank_ring.shape[1:]}")
+        self._rank_ring[(self.stats.steps - 1) % self.stats.window] = ranks
         if not self.policy.due(self.stats.steps):
             return None
         load = self.stats.load()
         self.last_moe_lb = moe_lb(load, self.placement)
+        self.last_measured_moe_lb = self.window_moe_lb()
         new = compute_placement(load, self.placement.n_ranks, self.policy.redundant_per_rank,
                                 self.policy.n_nodes, self.policy.n_groups)
+        self.last_expected_moe_lb = moe_lb(load, new)
         if new == self.placement:
             return None
         self.placement = new
+        self.rebalances += 1
         return new
+
+    def record_slots(self, slot_counts_LP, placement: Placement | None = None) -> Placement | None:
+        """``record`` from one step's per-slot counts [L, P] (as the EP MoE returns them) taken under
+        ``placement`` (default: the current one; a step dispatched before a rebalance ran with the old one)."""
+        placement = self.placement if placement is None else placement
+        return self.record(expert_counts(slot_counts_LP, placement), slot_rank_loads(slot_counts_LP, placement.n_ranks))
+
+    def window_moe_lb(self) -> np.ndarray:
+        """[L] max rank load / mean rank load over the steps in the window (1.0 for a layer without load)."""
+        return _max_over_mean(self._rank_ring.sum(0))
