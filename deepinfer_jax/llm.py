@@ -209,14 +209,17 @@ class LLM:
         from deepinfer_jax.engine.spec_decode import SpecDecoding
         from deepinfer_jax.engine.spec_policy import AcceptanceStats, StepTimes, make_policy
 
-        times = None
-        if self.speculation == "dspark":
-            with tqdm(desc="profiling step times", disable=not use_tqdm, total=len(self.buckets.tokens)) as bar:
-                times = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=lambda *_: bar.update(1)))
+        times = plain = None
+        if self.speculation == "dspark":  # step times with and without the drafter, per token bucket
+            with tqdm(desc="profiling step times", disable=not use_tqdm, total=2 * len(self.buckets.tokens)) as bar:
+                tick = lambda *_: bar.update(1)
+                times = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=tick))
+                plain = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=tick, draft=False))
         ntok = self.engine_config.num_speculative_tokens or 3
         stats = AcceptanceStats(k)
-        policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats)
-        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats)
+        policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats,
+                             plain_times=plain)
+        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""

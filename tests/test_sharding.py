@@ -335,7 +335,7 @@ def test_sharded_forward_matches_one_device(runs):
         assert r["experts_w1_shard"] == [8 // ep, 32 // tp, 64], r
         assert r["gate_shard"] == [8, 64] and r["head_shard"] == [512 // tp, 64], r
         assert r["wq_b_shard"] == [128 // tp, 32], r
-        assert r["swa_q_shard"] == [5, 8 // dp, 14, 32] and r["comp_v_shard"] == [8 // dp, 2, 32], r
+        assert r["swa_q_shard"] == [5, 8 // dp, 14, 32] and r["comp_v_shard"] == [8 // dp, 2 + 6, 32], r
         assert r["global_kv_q_shard"] == [16 // dp, 8, 16], r
 
 

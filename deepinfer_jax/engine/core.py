@@ -102,6 +102,7 @@ class EngineCore:
         # file-store writes and prefetches run on one background thread, overlapped with the steps
         self._io = ThreadPoolExecutor(1, "block-store") if prefix is not None and prefix.files else None
         self._io_futures: list[Future] = []
+        self._late_writeback: list = []  # (digests, device rows) read when a request ended, written back later
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -160,8 +161,22 @@ class EngineCore:
         self.requests[rid] = req
         return req
 
+    def _write_back(self, reads: list) -> None:
+        """Newly cached blocks read off the device (and those read when requests ended) -> the lower tiers."""
+        prefix = self.scheduler.prefix
+        reads = reads + self._late_writeback
+        self._late_writeback = []
+        if reads and prefix is not None:
+            for digests, read in reads:
+                for d, payload in zip(digests, self.runner.block_payloads(read)):
+                    prefix.host.put(d, payload)
+                    if self._io is not None:
+                        self._io_futures.append(self._io.submit(prefix.files.put, d, payload))
+            self._io_futures = [f for f in self._io_futures if not f.done() or f.exception()]
+
     def flush(self) -> None:
         """Wait for the background block-store writes and prefetches (errors re-raised)."""
+        self._write_back([])
         futures, self._io_futures = self._io_futures, []
         for f in futures:
             f.result()
@@ -334,14 +349,7 @@ class EngineCore:
             self.spec.observe(step.plan.chunks, results, step.pending, step.spec, device_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
-        prefix = self.scheduler.prefix
-        if step.writeback is not None and prefix is not None:
-            digests, read = step.writeback
-            for d, payload in zip(digests, self.runner.block_payloads(read)):
-                prefix.host.put(d, payload)
-                if self._io is not None:
-                    self._io_futures.append(self._io.submit(prefix.files.put, d, payload))
-            self._io_futures = [f for f in self._io_futures if not f.done() or f.exception()]
+        self._write_back([step.writeback] if step.writeback is not None else [])
         finished = []
         for i, (chunk, res) in enumerate(zip(step.plan.chunks, results)):
             r = chunk.request
@@ -350,15 +358,14 @@ class EngineCore:
                 continue
             r.num_pending -= 1
             r.pending_max -= chunk.num_tokens if chunk.verify else 1
-            if chunk.verify and i in step.crossings:
-                self._crossed(r, step.pending.anchors[i], len(res), step.crossings[i])
+            if chunk.verify and r.decoding:  # the anchor and the accepted drafts are in the cache now
+                r.num_computed = max(r.num_computed, step.pending.anchors[i] + len(res))
+                if i in step.crossings:
+                    self._crossed(r, step.pending.anchors[i], len(res), step.crossings[i])
             for token in res:
                 if self._accept(r, *token, ready):
                     finished.append(r.to_output())
                     break
-            else:
-                if chunk.verify and r.decoding:  # everything before the newest token is in the cache
-                    r.num_computed = max(r.num_computed, len(r.prompt_ids) + len(r.output_ids) - 1)
         self.stats.reconcile_s += time.perf_counter() - ready
         return finished
 
@@ -410,7 +417,13 @@ class EngineCore:
         return True
 
     def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
-        if r.swa_copy is not None and self.scheduler.prefix is not None:
+        prefix = self.scheduler.prefix
+        if prefix is not None:  # blocks completed by the last reconciled step (speculative rows learn it here)
+            prefix.register(r)
+            if prefix.new_blocks:  # copy them off the device now, before a later step may reuse the blocks
+                new, prefix.new_blocks = prefix.new_blocks, []
+                self._late_writeback.append(([d for _, d in new], self.runner.read_blocks([b for b, _ in new])))
+        if r.swa_copy is not None and prefix is not None:
             self._save_snapshot(r, *r.swa_copy)
         r.swa_copy = None
         self.scheduler.finish(r, reason, stop_reason)

@@ -58,10 +58,11 @@ def profile_cost_model(runner: ModelRunner, *, max_tokens: int, max_model_len: i
     return model, steps, times
 
 
-def profile_step_times(runner, repeats: int = 2, progress=None) -> list[float]:
+def profile_step_times(runner, repeats: int = 2, progress=None, draft: bool = True) -> list[float]:
     """Device time (ns, best of ``repeats``) of a full step per token bucket, for the speculative
     budget (``engine.spec_policy.StepTimes``): the largest request bucket's rows, each a chunk that
-    samples (so the step also runs the drafter), splitting the bucket's tokens between them."""
+    samples (so the step also runs the drafter, unless ``draft`` is False), splitting the bucket's
+    tokens between them. ``runner`` is a ``SpecRunner``."""
     cc = runner.cache_cfg
     r = min(runner.buckets.requests[-1], cc.max_requests)
     out = []
@@ -77,7 +78,7 @@ def profile_step_times(runner, repeats: int = 2, progress=None) -> list[float]:
         best = math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
-            runner.launch(chunks).result()
+            runner.launch(chunks, draft=draft, logprobs=False).result()
             best = min(best, time.perf_counter() - t0)
         out.append(best * 1e9)
         if progress is not None:

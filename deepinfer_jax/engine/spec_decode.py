@@ -32,6 +32,8 @@ class SpecStats:
     drafts_verified: int = 0
     drafts_accepted: int = 0
     tokens: int = 0  # tokens the verify rows produced (accepted + 1 each, before stop truncation)
+    steps: int = 0  # steps planned
+    steps_drafting: int = 0  # of which drafted the next blocks
     budgets: list = field(default_factory=list, repr=False)  # the budget of each planned step
 
 
@@ -41,13 +43,16 @@ class _Planned:
 
     survival: dict  # chunk index -> the survival estimate used (or None)
     tokens: int  # the step's planned flat tokens (host chunks + verify rows + forced + budget)
+    draft: bool  # the step drafts the next blocks
 
 
 class SpecDecoding:
     """Plans verification with a policy, and learns from the results."""
 
-    def __init__(self, policy: VerifyPolicy, k: int, times: StepTimes, stats: AcceptanceStats) -> None:
+    def __init__(self, policy: VerifyPolicy, k: int, times: StepTimes, stats: AcceptanceStats,
+                 plain_times: StepTimes | None = None) -> None:
         self.policy, self.k, self.times, self.acceptance = policy, k, times, stats
+        self.plain_times = plain_times  # steps that skip drafting
         self.stats = SpecStats()
 
     def plan(self, chunks: Sequence) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
@@ -68,22 +73,20 @@ class SpecDecoding:
         caps = {i: (cap, forced) for i, cap, forced in zip(idx, plan.caps, plan.forced)}
         self.stats.budgets.append(plan.budget)
         tokens = host_tokens + len(idx) + sum(c for c, f in zip(plan.caps, plan.forced) if f) + plan.budget
-        draft = self._worth_drafting(could, host_tokens)
+        draft = self.policy.worth_drafting(could, host_tokens)
+        self.stats.steps_drafting += draft
+        self.stats.steps += 1
         for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
             if c.sample:
                 c.request.has_drafts = draft and c.request.matcher is None
-        return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens), draft
-
-    def _worth_drafting(self, rows: Sequence[VerifyRow], host_tokens: int) -> bool:
-        """Whether a step like this one, with fresh drafts everywhere, would verify any."""
-        if not rows:
-            return True  # new requests only: their first verification decides
-        hypo = self.policy.plan(rows, host_tokens)
-        return hypo.budget > 0 or any(c > 0 and f for c, f in zip(hypo.caps, hypo.forced))
+        return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens, draft), draft
 
     def observe(self, chunks: Sequence, results, pending, planned: _Planned, device_ns: float) -> None:
         """Take a reconciled step's verify rows and time back."""
-        self.times.observe(planned.tokens, device_ns)
+        if planned.draft:
+            self.times.observe(planned.tokens, device_ns)
+        elif self.plain_times is not None:
+            self.plain_times.observe(planned.tokens, device_ns)
         for i, (c, res) in enumerate(zip(chunks, results)):
             r = c.request
             if res is not None and len(pending.confidence) > i:
@@ -106,7 +109,8 @@ class SpecDecoding:
                 "spec_acceptance": s.drafts_accepted / s.drafts_verified if s.drafts_verified else None,
                 "spec_tokens_per_row": s.tokens / s.verify_rows if s.verify_rows else None,
                 "spec_acceptance_by_depth": self.acceptance.acceptance_rate(),
-                "spec_mean_budget": float(np.mean(s.budgets)) if s.budgets else None}
+                "spec_mean_budget": float(np.mean(s.budgets)) if s.budgets else None,
+                "spec_drafting_steps": s.steps_drafting, "spec_steps": s.steps}
 
 
 def _survival(conf) -> np.ndarray | None:

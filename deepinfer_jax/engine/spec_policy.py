@@ -13,7 +13,9 @@ budget of further drafts the device hands out by confidence (``model.speculative
   survival products, calibrated online against the acceptances seen), and the step time is the
   measured time of the token bucket the step falls into (``StepTimes``, profiled at start-up and
   updated from every step). Deterministic rows (a request with its own seed) get a fixed count
-  instead (engine.md §2.5), so their tokens do not depend on what else runs.
+  instead (engine.md §2.5), so their tokens do not depend on what else runs. ``worth_drafting``
+  compares the best such rate with plain decoding's (the step times of steps that do not draft):
+  when plain decoding wins, the engine stops drafting until a step's prospects change.
 
 ``AcceptanceStats`` keeps, per draft depth and kind (greedy / sampled rows), the predicted survival
 and the observed acceptance, which gives the calibration factors and the numbers in ``llm.stats``.
@@ -54,6 +56,8 @@ class VerifyPolicy(Protocol):
     name: str
 
     def plan(self, rows: Sequence[VerifyRow], host_tokens: int) -> VerifyPlan: ...
+
+    def worth_drafting(self, rows: Sequence[VerifyRow], host_tokens: int) -> bool: ...
 
 
 class StepTimes:
@@ -164,6 +168,9 @@ class FixedPolicy:
         caps = tuple(min(self.k, r.max_drafts) for r in rows)
         return VerifyPlan(caps, (True,) * len(rows), 0, float(len(rows)))
 
+    def worth_drafting(self, rows: Sequence[VerifyRow], host_tokens: int) -> bool:
+        return self.k > 0
+
 
 @dataclass
 class DSparkPolicy:
@@ -174,6 +181,7 @@ class DSparkPolicy:
     times: StepTimes
     deterministic_k: int = 3
     stats: AcceptanceStats | None = None
+    plain_times: StepTimes | None = None  # steps that do not draft (None: never stop drafting)
     name: str = "dspark"
     last_budget: int = field(default=0, init=False)
 
@@ -199,13 +207,24 @@ class DSparkPolicy:
         self.last_budget = budget
         return VerifyPlan(tuple(caps), tuple(forced), budget, expected)
 
+    def worth_drafting(self, rows: Sequence[VerifyRow], host_tokens: int) -> bool:
+        """Whether a step like this one, with fresh drafts for every row, beats plain decoding."""
+        if not rows or self.plain_times is None:
+            return True
+        if any(r.deterministic and r.max_drafts for r in rows):
+            return True  # their fixed counts need drafts
+        plan = self.plan(rows, host_tokens)
+        n = host_tokens + len(rows) + plan.budget
+        spec_rate = plan.expected_tokens / self.times.time(n)
+        return spec_rate > len(rows) / self.plain_times.time(host_tokens + len(rows))
+
 
 #: Policy names accepted by ``EngineConfig.speculation``.
 POLICIES = ("none", "fixed", "dspark")
 
 
 def make_policy(name: str, *, k: int, num_speculative_tokens: int, times: StepTimes | None = None,
-                stats: AcceptanceStats | None = None) -> VerifyPolicy | None:
+                stats: AcceptanceStats | None = None, plain_times: StepTimes | None = None) -> VerifyPolicy | None:
     """The policy for a name of ``POLICIES`` (None for "none"). ``k``: the drafter's block size;
     ``num_speculative_tokens``: the fixed length ("fixed") or the deterministic rows' count ("dspark")."""
     if name == "none":
@@ -213,5 +232,5 @@ def make_policy(name: str, *, k: int, num_speculative_tokens: int, times: StepTi
     if name == "fixed":
         return FixedPolicy(min(num_speculative_tokens, k))
     if name == "dspark":
-        return DSparkPolicy(k, times or StepTimes((1 << 30,)), min(num_speculative_tokens, k), stats)
+        return DSparkPolicy(k, times or StepTimes((1 << 30,)), min(num_speculative_tokens, k), stats, plain_times)
     raise ValueError(f"speculation must be one of {POLICIES}, got {name!r}")

@@ -65,12 +65,12 @@ class SpecForward:
 
     logits: jax.Array
     layout: spec_ops.SpecLayout
-    rows: spec_ops.SpecRows
+    spec_rows: spec_ops.SpecRows
     slot: jax.Array  # [R] the rows' slots on the device (out of range: writes nothing)
     sampling: SamplingInputs
     chunks: list  # in the caller's order
     order: list[int]  # chunk i's request row
-    rows_bucket: int
+    rows: int  # the request bucket (the mask's rows)
     draft: bool
     logprobs: bool = True
 
@@ -184,19 +184,19 @@ class SpecRunner(ModelRunner):
         """Dispatch acceptance + drafting; ``mask`` [rows bucket, mask_words] as in ``ModelRunner.sample``
         (row i = chunk i in the caller's order)."""
         if mask is None:
-            if fwd.rows_bucket not in self._no_mask:
-                self._no_mask[fwd.rows_bucket] = jnp.full((fwd.rows_bucket, self.mask_words), -1, jnp.int32)
-            dev_mask, has = self._no_mask[fwd.rows_bucket], np.False_
+            if fwd.rows not in self._no_mask:
+                self._no_mask[fwd.rows] = jnp.full((fwd.rows, self.mask_words), -1, jnp.int32)
+            dev_mask, has = self._no_mask[fwd.rows], np.False_
         else:
-            if mask.shape != (fwd.rows_bucket, self.mask_words) or mask.dtype != np.int32:
-                raise StepInputError(f"mask must be int32 of shape {(fwd.rows_bucket, self.mask_words)}, got "
+            if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
+                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
                                      f"{mask.dtype} {mask.shape}")
             dev_mask = np.full_like(mask, -1)
             for i, row in enumerate(fwd.order):
                 dev_mask[row] = mask[i]
             has = np.True_
         outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self.params, self.drafter, self.heads, fwd.logits,
-                                    dev_mask, has, fwd.sampling, fwd.layout, fwd.rows, self.spec, self.last_ids,
+                                    dev_mask, has, fwd.sampling, fwd.layout, fwd.spec_rows, self.spec, self.last_ids,
                                     fwd.slot, np.bool_(fwd.draft), np.bool_(fwd.logprobs))
         *result, self.spec, self.last_ids = outs
         return SpecPending(result, fwd.chunks, fwd.order)

@@ -1,0 +1,41 @@
+"""Speculative decoding with the shipped drafter (issue 9): on by default, lossless against the plain
+engine on real prompts, and the drafter really gets drafts accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.checkpoint.draft_vocab import load_draft_vocab
+from deepinfer_jax.llm import DEFAULT_CHECKPOINT
+
+# the engine shape of tests/test_chat.py and tests/test_structured_model.py (compiled programs are shared)
+SETTINGS = dict(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32, max_model_len=512,
+                chunking="tokens", use_tqdm=False)
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\n", "class Stack:\n    def __init__(self):\n",
+           "# Return the sum of a list\ndef total(items):\n"]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(**SETTINGS)
+
+
+def test_the_default_engine_speculates_with_the_shipped_drafter(spec_llm):
+    assert spec_llm.speculation == "dspark" and spec_llm.drafter is not None
+    vocab = load_draft_vocab(DEFAULT_CHECKPOINT, spec_llm.model_config.vocab_size)
+    assert len(vocab) == 8192 and spec_llm.runner.heads.ids.shape == (8192,)
+
+
+def test_shipped_greedy_outputs_equal_plain_decoding(spec_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    before = spec_llm.engine.spec.stats.drafts_accepted
+    got = spec_llm.generate(PROMPTS, sp, use_tqdm=False)
+    plain = LLM(speculation="none", **SETTINGS)
+    want = plain.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert spec_llm.engine.spec.stats.drafts_accepted - before > 5
+    stats = spec_llm.stats
+    assert stats["spec_verify_rows"] > 0 and 0 < stats["spec_acceptance"] < 1
+    assert stats["steps"] > 0
