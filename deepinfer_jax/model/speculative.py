@@ -196,25 +196,26 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
 
     ``sampling``: the rows' ``SamplingInputs`` (``position`` = output position of a host chunk's
     sampled token; verify rows derive theirs from the anchor). ``vocab_ids`` [Vd]: the draft vocabulary.
-    ``mask_RW``: structured-output bitmasks applied to every logit row of a request row (constrained
-    rows verify no drafts). ``want_logprobs`` (a scalar bool, None = True): False skips the logprobs
-    (zeros are returned)."""
+    ``mask_RW``: structured-output bitmasks, applied to each row's first logit row (constrained rows
+    verify no drafts). ``want_logprobs`` (a scalar bool, None = True): False skips the logprobs (zeros
+    are returned). An all-greedy step without logprobs reads only one argmax per logit row."""
     r = layout.counts.shape[0]
     slots, k = spec.drafts.shape
     j = jnp.arange(k + 1)
     s = jnp.clip(slot_R, 0, slots - 1)
     produce = layout.logit_start >= 0
-    idx = jnp.clip(layout.logit_start[:, None] + j[None, :], 0, logits_MV.shape[0] - 1)
-    raw = logits_MV[idx].astype(jnp.float32)  # [R, J, V]
-    if mask_RW is None:
-        allowed = raw
-    else:
-        allowed = jax.vmap(lambda lg, mk: apply_bitmask(lg, jnp.broadcast_to(mk, (k + 1, mk.shape[0])), has_mask))(
-            raw, mask_RW)
+    idx = jnp.clip(layout.logit_start[:, None] + j[None, :], 0, logits_MV.shape[0] - 1)  # [R, J]
+    first = logits_MV[idx[:, 0]].astype(jnp.float32)  # [R, V]
+    if mask_RW is not None:
+        first = apply_bitmask(first, mask_RW, has_mask)
+    greedy = jnp.argmax(logits_MV, axis=-1).astype(jnp.int32)[idx]  # [R, J]
+    greedy = greedy.at[:, 0].set(jnp.argmax(first, axis=-1).astype(jnp.int32))
     base = jnp.where(rows.is_verify, layout.anchor + 1 - rows.prompt_len, sampling.position)
     drafts = spec.drafts[s]
     count = jnp.where(rows.is_verify, layout.counts, 0)
-    greedy = jnp.argmax(allowed, axis=-1).astype(jnp.int32)  # [R, J]
+
+    def full_rows():  # [R, J, V] with the mask on each row's first position
+        return logits_MV[idx].astype(jnp.float32).at[:, 0].set(first)
 
     def greedy_rows():
         match = (drafts == greedy[:, :k]) & (j[None, :k] < count[:, None])
@@ -226,7 +227,7 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
             sampling.seed, sampling.stream, base)
         search = jnp.any((sampling.top_p < 1.0) | (sampling.top_k > 0))
         m_s, last_s = jax.vmap(lambda *a: _accept_sampled_row(search, vocab_ids, *a))(
-            allowed, count, drafts, spec.draft_logits[s], sampling.temperature, sampling.top_k, sampling.top_p,
+            full_rows(), count, drafts, spec.draft_logits[s], sampling.temperature, sampling.top_k, sampling.top_p,
             sampling.min_p, keys)
         m_g, last_g = greedy_rows()
         hot = sampling.temperature > 0
@@ -235,8 +236,9 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
     m, last = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled_rows, greedy_rows)
     padded = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j[None, :] < m[:, None], padded, jnp.where(j[None, :] == m[:, None], last[:, None], 0))
+
     def logprobs():
-        logp = jax.nn.log_softmax(raw, axis=-1)
+        logp = jax.nn.log_softmax(logits_MV[idx].astype(jnp.float32), axis=-1)  # the raw distribution
         top_lp, top_ids = jax.lax.top_k(logp, num_top)
         return jnp.take_along_axis(logp, tokens[..., None], axis=2)[..., 0], top_ids.astype(jnp.int32), top_lp
 

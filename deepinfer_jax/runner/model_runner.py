@@ -60,6 +60,16 @@ def _forward_step(params, cfg, cache_cfg, cache, last_ids, feed, inputs):
     return paged_step(params, cfg, cache_cfg, cache, inputs)
 
 
+def _step_flat(ptree, pleaves, cfg, cache_cfg, cache, inputs):
+    """``_step`` with the parameters as (treedef, leaves): jit flattens a list of arrays in C++, where an
+    ``nnx.State`` costs a Python traversal of every variable on every call (milliseconds per step)."""
+    return _step(jax.tree_util.tree_unflatten(ptree, pleaves), cfg, cache_cfg, cache, inputs)
+
+
+def _forward_step_flat(ptree, pleaves, cfg, cache_cfg, cache, last_ids, feed, inputs):
+    return _forward_step(jax.tree_util.tree_unflatten(ptree, pleaves), cfg, cache_cfg, cache, last_ids, feed, inputs)
+
+
 def _sample_rows(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot):
     """Sample one token per row of ``logits`` [R, V] under the packed token ``mask`` [R, W] and store
     it in ``last_ids`` at ``sample_slot`` (out of range = none). A separate program from the model
@@ -143,8 +153,9 @@ class ModelRunner:
         self.decoder_replay = decoder_replay
         self.cache = init_cache(cfg, cache_cfg)
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
-        self._fn = jax.jit(_step, static_argnums=(1, 2), donate_argnums=(3,))
-        self._forward_fn = jax.jit(_forward_step, static_argnums=(1, 2), donate_argnums=(3,))
+        self._pleaves, self._ptree = jax.tree_util.tree_flatten(params)
+        self._fn = jax.jit(_step_flat, static_argnums=(0, 2, 3), donate_argnums=(4,))
+        self._forward_fn = jax.jit(_forward_step_flat, static_argnums=(0, 2, 3), donate_argnums=(4,))
         self._sample_fn = jax.jit(_sample_rows, static_argnums=(0,))
         self.mask_words = (cfg.vocab_size + 31) // 32
         self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device
@@ -290,7 +301,8 @@ class ModelRunner:
         if self.decoder_replay:
             inputs, rows = self._decoder_rows(chunks, inputs, rows, d)
         feed, sampling, sample_slot = sampling_batch(chunks, inputs, n, r, self.cache_cfg.max_requests)
-        logits, self.cache = self._forward_fn(self.params, self.cfg, self.cache_cfg, self.cache, self.last_ids, feed,
+        logits, self.cache = self._forward_fn(self._ptree, self._pleaves, self.cfg, self.cache_cfg, self.cache,
+                                              self.last_ids, feed,
                                               inputs._replace(logit_rows=rows))
         return Forward(logits, sampling, sample_slot, list(chunks), r)
 
@@ -313,7 +325,7 @@ class ModelRunner:
         return inputs._replace(decoder_rows=dec, decoder_valid=valid, decoder_floor=floor), rows
 
     def _run(self, inputs: StepInputs) -> np.ndarray:
-        logits, self.cache = self._fn(self.params, self.cfg, self.cache_cfg, self.cache, inputs)
+        logits, self.cache = self._fn(self._ptree, self._pleaves, self.cfg, self.cache_cfg, self.cache, inputs)
         return np.asarray(logits)
 
     def _validate(self, chunks: Sequence[ChunkSpec]) -> tuple[int, int, int]:

@@ -37,9 +37,11 @@ from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inp
 __all__ = ["SpecForward", "SpecPending", "SpecRunner"]
 
 
-def _spec_forward(params, drafter, cfg, cache_cfg, cache, spec, last_ids, inputs, rows):
-    """Build the verify rows on the device, run the step with the DSpark capture, keep the features."""
+def _spec_forward(ptree, pleaves, dtree, dleaves, cfg, cache_cfg, cache, spec, last_ids, inputs, rows):
+    """Build the verify rows on the device, run the step with the DSpark capture, keep the features.
+    The target's and the drafter's states come as (treedef, leaves) (see ``model_runner._step_flat``)."""
     _TRACES[0] += 1
+    params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
     full, layout = spec_ops.verify_inputs(inputs, rows, spec, last_ids)
     logits, cache, captured = paged_step(params, cfg, cache_cfg, cache, full,
                                          capture=tuple(cfg.dspark_target_layer_ids))
@@ -47,10 +49,11 @@ def _spec_forward(params, drafter, cfg, cache_cfg, cache, spec, last_ids, inputs
     return logits, cache, spec, layout._replace(counts=jnp.where(rows.is_verify, layout.counts, 0)), full.req_slot
 
 
-def _spec_sample(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec, last_ids,
-                 slot_R, draft, want_logprobs):
+def _spec_sample(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, mask, has_mask, sampling, layout, rows,
+                 spec, last_ids, slot_R, draft, want_logprobs):
     """Accept, take the tokens into the slots, draft the next blocks."""
     _TRACES[0] += 1
+    params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
     out = spec_ops.accept(logits, layout, rows, sampling, spec, slot_R, num_top, heads.ids, mask, has_mask,
                           want_logprobs)
     spec, last_ids = spec_ops.draft_next(spec, last_ids, drafter, params, cfg, heads, out, layout, rows, sampling,
@@ -126,8 +129,9 @@ class SpecRunner(ModelRunner):
         self.heads = dspark.draft_heads(drafter, params, cfg, draft_vocab)
         self.spec = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, cfg.sliding_window + cache_cfg.spec_slack,
                                              int(self.heads.ids.shape[0]))
-        self._spec_forward_fn = jax.jit(_spec_forward, static_argnums=(2, 3), donate_argnums=(4, 5))
-        self._spec_sample_fn = jax.jit(_spec_sample, static_argnums=(0, 1), donate_argnums=(11, 12))
+        self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
+        self._spec_forward_fn = jax.jit(_spec_forward, static_argnums=(0, 2, 4, 5), donate_argnums=(6, 7))
+        self._spec_sample_fn = jax.jit(_spec_sample, static_argnums=(0, 1, 2, 4), donate_argnums=(13, 14))
 
     def logit_rows(self, n: int, r: int) -> int:
         """Logit rows of a (tokens n, requests r) step: at most K + 1 per request row."""
@@ -195,9 +199,10 @@ class SpecRunner(ModelRunner):
             for i, row in enumerate(fwd.order):
                 dev_mask[row] = mask[i]
             has = np.True_
-        outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self.params, self.drafter, self.heads, fwd.logits,
-                                    dev_mask, has, fwd.sampling, fwd.layout, fwd.spec_rows, self.spec, self.last_ids,
-                                    fwd.slot, np.bool_(fwd.draft), np.bool_(fwd.logprobs))
+        outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self._ptree, self._pleaves, self._dtree,
+                                    self._dleaves, self.heads, fwd.logits, dev_mask, has, fwd.sampling, fwd.layout,
+                                    fwd.spec_rows, self.spec, self.last_ids, fwd.slot, np.bool_(fwd.draft),
+                                    np.bool_(fwd.logprobs))
         *result, self.spec, self.last_ids = outs
         return SpecPending(result, fwd.chunks, fwd.order)
 
@@ -240,7 +245,8 @@ class SpecRunner(ModelRunner):
         if self.decoder_replay:
             inp, rows = self._spec_decoder_rows(host, ordered, inp, rows, n - p, d)
         logits, self.cache, self.spec, layout, slot = self._spec_forward_fn(
-            self.params, self.drafter, self.cfg, self.cache_cfg, self.cache, self.spec, self.last_ids, inp, rows)
+            self._ptree, self._pleaves, self._dtree, self._dleaves, self.cfg, self.cache_cfg, self.cache, self.spec,
+            self.last_ids, inp, rows)
         del sample_slot  # every producing row stores its anchor in its slot (``speculative.draft_next``)
         return SpecForward(logits, layout, rows, slot, sampling, list(chunks), order, r, draft)
 
