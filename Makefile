@@ -7,6 +7,8 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # port installed with --no-deps because its pins conflict with ours.
 ORACLE := torch==2.13.0 "transformers>=5.18,<6" pillow
 NEMO := nemo-automodel==0.7.0
+# pytest-xdist processes for `make test`; each test file runs whole in one of them (module fixtures compile once).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench checkpoint train clean kernels
 
@@ -24,7 +26,7 @@ demo: $(VENV)/.runtime
 	$(PY) examples/offline_inference.py
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/forward.py
@@ -36,6 +38,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/eplb.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/dp_engine.py
+	$(PY) benchmarks/spec_decode.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime

@@ -1,6 +1,30 @@
+import gc
 import os
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 # Persistent XLA compilation cache: the model's jitted forward compiles once per machine.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+_TIMES = os.environ.get("DEEPINFER_TEST_TIMES")  # a file: one "seconds phase nodeid" line per test phase
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every jitted program's in-memory executables after each test module (the persistent cache
+    keeps them on disk), so that one pytest process does not accumulate every module's engines."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+    gc.collect()
+
+
+def pytest_runtest_logreport(report):
+    if _TIMES:
+        with open(_TIMES, "a") as f:
+            f.write(f"{report.duration:.2f} {report.when} {report.nodeid} {time.strftime('%H:%M:%S')}\n")

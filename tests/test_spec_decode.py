@@ -157,7 +157,7 @@ def test_rejected_drafts_leave_the_cache_as_a_plain_run_would(exact_cfg, params)
     rows, compressor ring, Engram ring, block KV entries) equals the plain run's."""
     cfg = exact_cfg
     cc = CacheConfig(block_size=16, num_blocks=32, max_requests=4, max_blocks_per_request=8, storage="dequantized")
-    bk = Buckets(tokens=(8, 48), requests=(4,), blocks=(8,))
+    bk = Buckets(tokens=(48,), requests=(4,), blocks=(8,))  # one shape: one compile per runner
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, n).tolist() for n in (5, 13, 21)]
     new = 30
@@ -237,7 +237,7 @@ def test_spec_runner_refuses_bad_input(params):
 
 # ---- the engine ---------------------------------------------------------------------------------
 
-SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=48, token_buckets=(8, 16, 48), block_size=16, max_model_len=128,
+SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=48, token_buckets=(48,), block_size=16, max_model_len=128,
                 chunking="tokens", use_tqdm=False)
 
 
@@ -355,7 +355,7 @@ def test_bad_speculation_settings_name_the_field(params):
 def test_decoder_bounded_replay_with_speculation_equals_it_without(params, spec_llm):
     """Decoder bounded replay (YOCO prefill) under speculation: the verify tokens run every decoder layer
     over the features the replayed prompt tail captured; outputs equal the plain engine's with replay."""
-    kw = dict(SETTINGS, token_buckets=(8, 48), decoder_replay=True, yoco_keep_tokens=16, enable_prefix_caching=False)
+    kw = dict(SETTINGS, token_buckets=(48,), decoder_replay=True, yoco_keep_tokens=16, enable_prefix_caching=False)
     drafter = spec_llm.drafter
     spec = LLM(config=CFG, params=params, drafter=drafter, **kw)
     plain = LLM(config=CFG, params=params, speculation="none", **kw)

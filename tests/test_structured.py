@@ -8,65 +8,18 @@ import re
 
 import numpy as np
 import pytest
+from sharded.span_grammars import SpanGrammars
 from test_scheduler import EOS, VOCAB, FakeRunner, reference
 
 from deepinfer_jax.engine import EngineCore, RequestError, SamplingParams, Scheduler
 from deepinfer_jax.engine.structured import GrammarError, LLGuidanceBackend, StructuredOutputs, mask_words
 
 
-class _FakeMatcher:
-    """``lo-hi:n``: n tokens from [lo, hi], then only EOS; ``dead`` grammars allow nothing after n."""
-
-    def __init__(self, lo, hi, n, dead):
-        self.lo, self.hi, self.n, self.dead = lo, hi, n, dead
-        self.seen: list[int] = []
-
-    def allowed(self) -> np.ndarray:
-        ok = np.zeros(VOCAB, bool)
-        if len(self.seen) < self.n:
-            ok[self.lo : self.hi + 1] = True
-        elif not self.dead and (not self.seen or self.seen[-1] != EOS):
-            ok[EOS] = True
-        return ok
-
-    def fill(self, row):
-        bits = np.zeros(mask_words(VOCAB) * 32, np.uint8)
-        bits[:VOCAB] = self.allowed()
-        row[:] = np.packbits(bits, bitorder="little").view(np.int32)
-
-    def consume(self, token):
-        ok = bool(self.allowed()[token])
-        self.seen.append(token)
-        return ok
-
-    def rollback(self, n):
-        del self.seen[len(self.seen) - n :]
-
-    def error(self):
-        return None
-
-
-class FakeBackend:
-    vocab_size = VOCAB
+class FakeBackend(SpanGrammars):
+    """The span grammars over the scheduler tests' vocabulary."""
 
     def __init__(self):
-        self.compiled = []
-
-    def compile(self, kind, text):
-        if kind != "grammar" or text.count(":") != 1:
-            raise GrammarError(f"fake backend cannot parse {text!r}")
-        self.compiled.append(text)
-        span, n = text.split(":")
-        dead = span.startswith("dead ")
-        lo, hi = (int(x) for x in span.removeprefix("dead ").split("-"))
-        return lo, hi, int(n), dead
-
-    def matcher(self, compiled):
-        return _FakeMatcher(*compiled)
-
-    def fill_batch(self, matchers, bitmask):
-        for m, i in matchers:
-            m.fill(bitmask[i])
+        super().__init__(VOCAB, EOS)
 
 
 def make(async_scheduling=False, overlap=True, max_seqs=4):

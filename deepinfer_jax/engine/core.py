@@ -237,14 +237,9 @@ class EngineCore:
                     new, prefix.new_blocks = prefix.new_blocks, []
                     launched.writeback = ([d for _, d in new], self.runner.read_blocks([b for b, _ in new]))
             if rows and masks is None:
-                job = []
-                submit = lambda: job.append(self.structured.submit(fwd.rows, rows))
-                if prev is not None:
-                    finished += self._reconcile(prev, on_tokens=submit)
-                    prev = None
-                else:
-                    submit()
-                masks = job[0].result()
+                masks, done = self._masks_beside_reconcile(prev, lambda: self.structured.submit(fwd.rows, rows))
+                finished += done
+                prev = None
             mask = None
             if rows:
                 mask, dead = masks
@@ -322,6 +317,21 @@ class EngineCore:
         ids = [0] if c.feed_last else r.known_tokens(c.start, c.start + c.num_tokens)
         extra = {} if self.spec is None else dict(prompt_len=len(r.prompt_ids), ctx_from=r.ctx_from)
         return ChunkSpec(ctx_len=c.start, token_ids=ids, feed_last=c.feed_last, **common, **extra)
+
+    def _masks_beside_reconcile(self, prev: _InFlight | None, submit) -> tuple[object, list[RequestOutput]]:
+        """Token masks computed on the worker while the device runs the model step.
+
+        ``submit()`` queues the mask job; with a previous step still in flight it is queued as soon as
+        that step's tokens reached the matchers (the rest of its reconcile runs beside the job).
+        Returns ``(masks, requests finished by reconciling prev)``.
+        """
+        job = []
+        finished = []
+        if prev is not None:
+            finished = self._reconcile(prev, on_tokens=lambda: job.append(submit()))
+        else:
+            job.append(submit())
+        return job[0].result(), finished
 
     def _reconcile(self, step: _InFlight, on_tokens=None) -> list[RequestOutput]:
         """Take a step's tokens into its requests. ``on_tokens`` is called once the grammar matchers

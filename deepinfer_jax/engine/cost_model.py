@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -122,9 +123,12 @@ class CostModel:
     # ---- persistence ----
     def save(self, path: str | Path, meta: dict | None = None) -> None:
         """JSON with the coefficients and the profiled steps (the base of later refits)."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         data = {"coef": self.coef.tolist(), "steps": self._base[0], "times_ns": self._base[1], "meta": meta or {}}
-        Path(path).write_text(json.dumps(data))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # atomic: concurrent engines never read half a file
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> CostModel:

@@ -160,15 +160,11 @@ class DPEngineCore(EngineCore):
                 masks = self.structured.masks(height, [(m, at[i]) for m, i in rows])
             fwd = self.runner.forward(specs)
             launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
-            if rows and masks is None:  # computed on the worker while the device runs the model step
-                job = []
-                submit = lambda: job.append(self.structured.submit(fwd.rows, [(m, fwd.chunk_rows[i]) for m, i in rows]))
-                if prev is not None:
-                    finished += self._reconcile(prev, on_tokens=submit)
-                    prev = None
-                else:
-                    submit()
-                masks = job[0].result()
+            if rows and masks is None:
+                masks, done = self._masks_beside_reconcile(
+                    prev, lambda: self.structured.submit(fwd.rows, [(m, fwd.chunk_rows[i]) for m, i in rows]))
+                finished += done
+                prev = None
             mask = None
             if rows:
                 mask, dead = masks

@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 from shard_common import model_and_inputs
+from span_grammars import SpanGrammars
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax import sharding as sh
@@ -162,56 +163,6 @@ def cost_row(cfg, params, prompts, sps, want, token_plans) -> None:
                       "observed": model.num_observed, "predicted": len(llm.engine.stats.predicted_ns),
                       "recompiled": llm.runner.traces != traces, "seconds": round(time.perf_counter() - start, 2)}),
           flush=True)
-
-
-class SpanGrammars:
-    """A grammar backend for the test vocabulary: grammar ``"lo-hi:n"`` allows n tokens from [lo, hi], then only
-    EOS; ``"dead lo-hi:n"`` allows nothing after the n tokens (the request ends with finish reason "error")."""
-
-    def __init__(self, vocab: int, eos: int):
-        self.vocab_size, self.eos = vocab, eos
-
-    def compile(self, kind, text):
-        dead = text.startswith("dead ")
-        span, n = text.removeprefix("dead ").split(":")
-        lo, hi = (int(x) for x in span.split("-"))
-        return lo, hi, int(n), dead
-
-    def matcher(self, compiled):
-        return _SpanMatcher(self, *compiled)
-
-    def fill_batch(self, matchers, bitmask):
-        for m, i in matchers:
-            m.fill(bitmask[i])
-
-
-class _SpanMatcher:
-    def __init__(self, backend, lo, hi, n, dead):
-        self.b, self.lo, self.hi, self.n, self.dead, self.seen = backend, lo, hi, n, dead, []
-
-    def allowed(self) -> np.ndarray:
-        ok = np.zeros(self.b.vocab_size, bool)
-        if len(self.seen) < self.n:
-            ok[self.lo:self.hi + 1] = True
-        elif not self.dead and (not self.seen or self.seen[-1] != self.b.eos):
-            ok[self.b.eos] = True
-        return ok
-
-    def fill(self, row):
-        bits = np.zeros(row.shape[0] * 32, np.uint8)
-        bits[:self.b.vocab_size] = self.allowed()
-        row[:] = np.packbits(bits, bitorder="little").view(np.int32)
-
-    def consume(self, token):
-        ok = bool(self.allowed()[token])
-        self.seen.append(token)
-        return ok
-
-    def rollback(self, n):
-        del self.seen[len(self.seen) - n:]
-
-    def error(self):
-        return None
 
 
 def structured_rows(cfg, params, ref, prompts) -> None:
