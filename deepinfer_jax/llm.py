@@ -219,7 +219,10 @@ class LLM:
         stats = AcceptanceStats(k)
         policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats,
                              plain_times=plain)
-        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain)
+        # "auto" speculates on greedy requests only: lossless sampled acceptance filters the target's full
+        # distribution at every verified position, which costs more than it saves on CPU (README)
+        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain,
+                            sampled_drafts=self.engine_config.speculation != "auto")
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""

@@ -256,7 +256,7 @@ def spec_llm(params, plain_llm):
     outs = plain_llm.generate(_prompts(99, 24), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                               use_tqdm=False)
     pairs = [(a, b) for o in outs for a, b in zip(o.outputs[0].token_ids, o.outputs[0].token_ids[1:])]
-    return LLM(config=CFG, params=params, drafter=transition_drafter(CFG, pairs), **SETTINGS)
+    return LLM(config=CFG, params=params, drafter=transition_drafter(CFG, pairs), speculation="dspark", **SETTINGS)
 
 
 def _ids(outs):

@@ -21,21 +21,42 @@ def spec_llm():
     return LLM(**SETTINGS)
 
 
+@pytest.fixture(scope="module")
+def plain_llm():
+    return LLM(speculation="none", **SETTINGS)
+
+
 def test_the_default_engine_speculates_with_the_shipped_drafter(spec_llm):
     assert spec_llm.speculation == "dspark" and spec_llm.drafter is not None
     vocab = load_draft_vocab(DEFAULT_CHECKPOINT, spec_llm.model_config.vocab_size)
     assert len(vocab) == 8192 and spec_llm.runner.heads.ids.shape == (8192,)
 
 
-def test_shipped_greedy_outputs_equal_plain_decoding(spec_llm):
+def test_shipped_greedy_outputs_equal_plain_decoding(spec_llm, plain_llm):
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     before = spec_llm.engine.spec.stats.drafts_accepted
     got = spec_llm.generate(PROMPTS, sp, use_tqdm=False)
-    plain = LLM(speculation="none", **SETTINGS)
-    want = plain.generate(PROMPTS, sp, use_tqdm=False)
+    want = plain_llm.generate(PROMPTS, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert spec_llm.engine.spec.stats.drafts_accepted - before > 5
     stats = spec_llm.stats
     assert stats["spec_verify_rows"] > 0 and 0 < stats["spec_acceptance"] < 1
     assert stats["steps"] > 0
+
+
+def test_auto_mode_leaves_sampled_requests_to_plain_decoding(spec_llm, plain_llm):
+    """Under speculation="auto" a sampled request verifies no drafts (lossless sampled acceptance costs more
+    than it saves on CPU): its seeded tokens are those of the plain engine; a greedy one beside it still
+    speculates."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    s = spec_llm.engine.spec.stats
+    rows0, verified0, accepted0 = s.verify_rows, s.drafts_verified, s.drafts_accepted
+    got = spec_llm.generate(PROMPTS[:1], sampled, use_tqdm=False)
+    assert s.verify_rows > rows0 and (s.drafts_verified, s.drafts_accepted) == (verified0, accepted0)
+    want = plain_llm.generate(PROMPTS[:1], sampled, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    rows0 = s.verify_rows
+    spec_llm.generate(PROMPTS[:2], [sampled, greedy], use_tqdm=False)
+    assert s.verify_rows > rows0 and s.drafts_accepted > accepted0

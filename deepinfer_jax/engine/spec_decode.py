@@ -50,9 +50,11 @@ class SpecDecoding:
     """Plans verification with a policy, and learns from the results."""
 
     def __init__(self, policy: VerifyPolicy, k: int, times: StepTimes, stats: AcceptanceStats,
-                 plain_times: StepTimes | None = None) -> None:
+                 plain_times: StepTimes | None = None, sampled_drafts: bool = True) -> None:
         self.policy, self.k, self.times, self.acceptance = policy, k, times, stats
         self.plain_times = plain_times  # steps that skip drafting
+        # False: sampled requests (temperature > 0) verify no drafts and decode as without speculation
+        self.sampled_drafts = sampled_drafts
         self.stats = SpecStats()
 
     def plan(self, chunks: Sequence) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
@@ -63,7 +65,7 @@ class SpecDecoding:
         for i in idx:
             c = chunks[i]
             r = c.request
-            cap = 0 if r.matcher is not None else min(self.k, c.num_tokens - 1)
+            cap = 0 if not self._drafts_for(r) else min(self.k, c.num_tokens - 1)
             row = VerifyRow(max_drafts=cap, deterministic=r.params.seed is not None, greedy=r.params.temperature == 0,
                             survival=_survival(r.next_conf) if r.has_drafts else None)
             could.append(row)
@@ -78,8 +80,13 @@ class SpecDecoding:
         self.stats.steps += 1
         for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
             if c.sample:
-                c.request.has_drafts = draft and c.request.matcher is None
+                c.request.has_drafts = draft and self._drafts_for(c.request)
         return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens, draft), draft
+
+    def _drafts_for(self, r) -> bool:
+        """Whether request ``r`` verifies drafts: not under structured output (its mask covers one
+        position), and not when sampled unless ``sampled_drafts``."""
+        return r.matcher is None and (self.sampled_drafts or r.params.temperature == 0)
 
     def observe(self, chunks: Sequence, results, pending, planned: _Planned, device_ns: float) -> None:
         """Take a reconciled step's verify rows and time back."""
