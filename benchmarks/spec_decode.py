@@ -104,6 +104,8 @@ def engine_part(concurrency, max_tokens, repeats) -> tuple[list[dict], list, lis
             tps, steps, per_row, verified = best[name]
             rows.append({"concurrency": c, "policy": name, "tok_s": tps, "steps": steps, "tokens_per_row": per_row,
                          "verified_per_row": verified, "vs_none": tps / base})
+            print(f"  c={c} {name:8s} {tps:8.1f} tok/s  {steps:4d} steps  {per_row:.2f} tokens/row  "
+                  f"{verified:.2f} verified/row  {tps / base:.2f}x none", flush=True)  # as it goes: long runs
         del plain, spec
     return rows, trace, profile
 
