@@ -197,8 +197,9 @@ class LLM:
     def _speculation(ec: EngineConfig, drafter) -> str:
         """The speculation mode this engine runs: "auto" resolved, the others checked against the model."""
         mode = ec.speculation
-        if mode == "auto":
-            return "dspark" if drafter is not None and ec.sharding is None else "none"
+        if mode == "auto":  # off on CPU, where verifying costs more than it saves for batches (README, Benchmarks)
+            on = drafter is not None and ec.sharding is None and jax.default_backend() != "cpu"
+            return "dspark" if on else "none"
         if mode != "none" and drafter is None:
             raise ValueError(f"speculation={mode!r} needs a DSpark drafter: the checkpoint has none "
                              f"(drafter.safetensors or mtp.* tensors), pass drafter= or set speculation='none'")

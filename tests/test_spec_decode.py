@@ -349,7 +349,8 @@ def test_bad_speculation_settings_name_the_field(params):
     with pytest.raises(ValueError, match="drafter"):
         LLM(config=CFG, params=params, speculation="dspark", **SETTINGS)
     with pytest.raises(ValueError, match="draft_vocab_size"):  # no draft_vocab.json to take it from
-        LLM(config=CFG, params=params, drafter=init_drafter_params(CFG), draft_vocab_size=16, **SETTINGS)
+        LLM(config=CFG, params=params, drafter=init_drafter_params(CFG), speculation="dspark", draft_vocab_size=16,
+            **SETTINGS)
 
 
 def test_decoder_bounded_replay_with_speculation_equals_it_without(params, spec_llm):
@@ -357,7 +358,7 @@ def test_decoder_bounded_replay_with_speculation_equals_it_without(params, spec_
     over the features the replayed prompt tail captured; outputs equal the plain engine's with replay."""
     kw = dict(SETTINGS, token_buckets=(48,), decoder_replay=True, yoco_keep_tokens=16, enable_prefix_caching=False)
     drafter = spec_llm.drafter
-    spec = LLM(config=CFG, params=params, drafter=drafter, **kw)
+    spec = LLM(config=CFG, params=params, drafter=drafter, speculation="dspark", **kw)
     plain = LLM(config=CFG, params=params, speculation="none", **kw)
     prompts = _prompts(31, 6, 20, 40)  # longer than the 16 kept tokens: the replay is approximate
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -1,12 +1,14 @@
-"""Speculative decoding with the shipped drafter (issue 9): on by default, lossless against the plain
+"""Speculative decoding with the shipped drafter (issue 9): "auto" off on CPU, lossless against the plain
 engine on real prompts, and the drafter really gets drafts accepted."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.checkpoint.draft_vocab import load_draft_vocab
+from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.llm import DEFAULT_CHECKPOINT
 
 # the engine shape of tests/test_chat.py and tests/test_structured_model.py (compiled programs are shared)
@@ -18,7 +20,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\n", "class Stack:\n
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    return LLM(**SETTINGS)
+    return LLM(speculation="dspark", **SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,9 @@ def plain_llm():
     return LLM(speculation="none", **SETTINGS)
 
 
-def test_the_default_engine_speculates_with_the_shipped_drafter(spec_llm):
+def test_the_shipped_drafter_loads_and_auto_is_off_on_cpu(spec_llm):
     assert spec_llm.speculation == "dspark" and spec_llm.drafter is not None
+    assert LLM._speculation(EngineConfig(), spec_llm.drafter) == ("none" if jax.default_backend() == "cpu" else "dspark")
     vocab = load_draft_vocab(DEFAULT_CHECKPOINT, spec_llm.model_config.vocab_size)
     assert len(vocab) == 8192 and spec_llm.runner.heads.ids.shape == (8192,)
 
@@ -45,10 +48,17 @@ def test_shipped_greedy_outputs_equal_plain_decoding(spec_llm, plain_llm):
     assert stats["steps"] > 0
 
 
-def test_auto_mode_leaves_sampled_requests_to_plain_decoding(spec_llm, plain_llm):
-    """Under speculation="auto" a sampled request verifies no drafts (lossless sampled acceptance costs more
-    than it saves on CPU): its seeded tokens are those of the plain engine; a greedy one beside it still
-    speculates."""
+def test_greedy_only_speculation_leaves_sampled_requests_to_plain_decoding(spec_llm, plain_llm):
+    """With ``sampled_drafts=False`` (what "auto" uses where it speculates) a sampled request verifies no
+    drafts: its seeded tokens are those of the plain engine; a greedy one beside it still speculates."""
+    spec_llm.engine.spec.sampled_drafts = False
+    try:
+        _greedy_only(spec_llm, plain_llm)
+    finally:
+        spec_llm.engine.spec.sampled_drafts = True
+
+
+def _greedy_only(spec_llm, plain_llm):
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     s = spec_llm.engine.spec.stats
