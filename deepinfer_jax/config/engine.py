@@ -29,8 +29,8 @@ def yoco_keep_tokens(value: int | None = None) -> int:
         raise ValueError(f"{YOCO_ENV} must be an integer >= 1, got {raw!r}")
     return keep
 
-#: Speculative decoding (engine.md §2.3): "auto" = "dspark" when the model has a DSpark drafter (and
-#: no sharding), else "none"; "fixed": every decoding request verifies ``num_speculative_tokens`` drafts
+#: Speculative decoding (engine.md §2.3): "auto" = "dspark" for greedy requests when the model has a DSpark
+#: drafter, no sharding and a non-CPU backend (on CPU it measured slower for batches), else "none"; "fixed": every decoding request verifies ``num_speculative_tokens`` drafts
 #: per step; "dspark": the confidence-driven budget (``engine.spec_policy``).
 SPECULATION_MODES = ("auto", "none", "fixed", "dspark")
 
@@ -103,7 +103,8 @@ class EngineConfig:
             rank's chunks fit it, with one shared cost model). Needs ``enable_prefix_caching=False``
             and refuses ``decoder_replay`` and speculation (not supported with DP yet).
         speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
-            "auto" (the default: "dspark" when the checkpoint has a drafter, else "none"), "none",
+            "auto" (the default: "dspark" for greedy requests when the checkpoint has a drafter and the
+            backend is not the CPU, else "none"), "none",
             "fixed" or "dspark". Lossless: greedy outputs are those of "none", sampled ones follow the
             same distribution. Requests with a structured-output constraint verify no drafts.
         num_speculative_tokens: drafts per step in "fixed" mode, and the fixed count of requests with
