@@ -197,9 +197,8 @@ class LLM:
     def _speculation(ec: EngineConfig, drafter) -> str:
         """The speculation mode this engine runs: "auto" resolved, the others checked against the model."""
         mode = ec.speculation
-        if mode == "auto":  # off on CPU, where verifying costs more than it saves for batches (README, Benchmarks)
-            on = drafter is not None and ec.sharding is None and jax.default_backend() != "cpu"
-            return "dspark" if on else "none"
+        if mode == "auto":  # the dynamic budget, which decodes plainly whenever verifying would not pay
+            return "dspark" if drafter is not None and ec.sharding is None else "none"
         if mode != "none" and drafter is None:
             raise ValueError(f"speculation={mode!r} needs a DSpark drafter: the checkpoint has none "
                              f"(drafter.safetensors or mtp.* tensors), pass drafter= or set speculation='none'")
@@ -216,14 +215,13 @@ class LLM:
                 tick = lambda *_: bar.update(1)
                 times = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=tick))
                 plain = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=tick, draft=False))
-        ntok = self.engine_config.num_speculative_tokens or 3
+        ntok = self.engine_config.num_speculative_tokens
+        if ntok is None:  # "auto": seeded requests decode plainly unless a fixed count is asked for
+            ntok = 0 if self.engine_config.speculation == "auto" else 3
         stats = AcceptanceStats(k)
         policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats,
                              plain_times=plain)
-        # "auto" speculates on greedy requests only: lossless sampled acceptance filters the target's full
-        # distribution at every verified position, which costs more than it saves on CPU (README)
-        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain,
-                            sampled_drafts=self.engine_config.speculation != "auto")
+        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""

@@ -1,9 +1,8 @@
-"""Speculative decoding with the shipped drafter (issue 9): "auto" off on CPU, lossless against the plain
-engine on real prompts, and the drafter really gets drafts accepted."""
+"""Speculative decoding with the shipped drafter (issue 9): on by default ("auto" = the dynamic budget),
+lossless against the plain engine on real prompts, and the drafter really gets drafts accepted."""
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 from deepinfer_jax import LLM, SamplingParams
@@ -20,7 +19,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\n", "class Stack:\n
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    return LLM(speculation="dspark", **SETTINGS)
+    return LLM(**SETTINGS)  # speculation="auto"
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +27,30 @@ def plain_llm():
     return LLM(speculation="none", **SETTINGS)
 
 
-def test_the_shipped_drafter_loads_and_auto_is_off_on_cpu(spec_llm):
+def test_the_shipped_drafter_loads_and_auto_speculates(spec_llm):
     assert spec_llm.speculation == "dspark" and spec_llm.drafter is not None
-    assert LLM._speculation(EngineConfig(), spec_llm.drafter) == ("none" if jax.default_backend() == "cpu" else "dspark")
+    assert LLM._speculation(EngineConfig(), spec_llm.drafter) == "dspark"
+    assert LLM._speculation(EngineConfig(), None) == "none"  # no drafter: plain decoding, no error
+    assert LLM._speculation(EngineConfig(sharding="cpu-dp2-ep4", enable_prefix_caching=False), spec_llm.drafter) == "none"
+    policy = spec_llm.engine.spec.policy
+    assert policy.name == "dspark" and policy.deterministic_k == 0  # seeded requests decode plainly under "auto"
     vocab = load_draft_vocab(DEFAULT_CHECKPOINT, spec_llm.model_config.vocab_size)
     assert len(vocab) == 8192 and spec_llm.runner.heads.ids.shape == (8192,)
+
+
+def test_auto_seeded_requests_decode_as_without_speculation(spec_llm, plain_llm):
+    """A request with its own seed verifies no drafts under "auto" (no fixed count was asked for), so its
+    tokens are the plain engine's whatever else runs; a greedy request beside it still speculates."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    s = spec_llm.engine.spec.stats
+    verified0 = s.drafts_verified
+    got = spec_llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
+    assert s.drafts_verified == verified0
+    want = plain_llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    both = spec_llm.generate(PROMPTS[:2], [seeded, greedy], use_tqdm=False)
+    assert both[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
 def test_shipped_greedy_outputs_equal_plain_decoding(spec_llm, plain_llm):

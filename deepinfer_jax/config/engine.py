@@ -29,9 +29,10 @@ def yoco_keep_tokens(value: int | None = None) -> int:
         raise ValueError(f"{YOCO_ENV} must be an integer >= 1, got {raw!r}")
     return keep
 
-#: Speculative decoding (engine.md §2.3): "auto" = "dspark" for greedy requests when the model has a DSpark
-#: drafter, no sharding and a non-CPU backend (on CPU it measured slower for batches), else "none"; "fixed": every decoding request verifies ``num_speculative_tokens`` drafts
-#: per step; "dspark": the confidence-driven budget (``engine.spec_policy``).
+#: Speculative decoding (engine.md §2.3): "auto" = "dspark" when the model has a DSpark drafter and no
+#: sharding, else "none"; "fixed": every decoding request verifies ``num_speculative_tokens`` drafts per
+#: step; "dspark": the confidence-driven budget (``engine.spec_policy``), which decodes plainly while
+#: verifying would not pay.
 SPECULATION_MODES = ("auto", "none", "fixed", "dspark")
 
 #: "cost": chunk sizes from the fitted step-time model and ``step_budget_ns``; "tokens": a fixed
@@ -103,13 +104,16 @@ class EngineConfig:
             rank's chunks fit it, with one shared cost model). Needs ``enable_prefix_caching=False``
             and refuses ``decoder_replay`` and speculation (not supported with DP yet).
         speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
-            "auto" (the default: "dspark" for greedy requests when the checkpoint has a drafter and the
-            backend is not the CPU, else "none"), "none",
-            "fixed" or "dspark". Lossless: greedy outputs are those of "none", sampled ones follow the
-            same distribution. Requests with a structured-output constraint verify no drafts.
+            "auto" (the default: "dspark" when the checkpoint has a drafter and the engine is not
+            sharded, else "none"), "none", "fixed" or "dspark". Lossless: greedy outputs are those of
+            "none", sampled ones follow the same distribution. The dynamic budget skips drafting (and
+            the scheduler then reserves one token per decoding request) while its profiled step times
+            say plain decoding is faster, e.g. for large batches on CPU. Requests with a
+            structured-output constraint verify no drafts.
         num_speculative_tokens: drafts per step in "fixed" mode, and the fixed count of requests with
             their own seed in "dspark" mode (their tokens then do not depend on the batch, engine.md
-            §2.5); at most the drafter's block size. None = 3.
+            §2.5); at most the drafter's block size. None = 3, except under "auto", where seeded
+            requests then verify none (they decode exactly as without speculation).
         draft_vocab_size: the drafter proposes only the first this many tokens of the checkpoint's
             frequency-ranked ``draft_vocab.json`` (cheaper drafting, still lossless); None = the file's
             default size, or the whole vocabulary when the checkpoint ships no such file.

@@ -110,10 +110,13 @@ class Scheduler:
 
     def _wants(self, r: Request) -> int:
         """Tokens the request could compute now (0 while its limit is reached and it awaits its finish);
-        a decoding request under speculation wants one verify row (1 + spec_tokens tokens at most)."""
+        a decoding request under speculation wants one verify row: 1 + spec_tokens tokens at most when
+        its slot holds fresh drafts, else 1 (a plain decode token: the step budget stays with prefill)."""
         if self._limit_reached(r):
             return 0
-        return 1 + self.spec_tokens if r.decoding else r.num_tokens - r.num_computed
+        if r.decoding:
+            return 1 + self.spec_tokens if r.has_drafts else 1
+        return r.num_tokens - r.num_computed
 
     def _verify_capacity(self, r: Request) -> int:
         """Tokens a verify row's blocks must cover: every position the device may write this step."""

@@ -65,10 +65,11 @@ class SpecDecoding:
         for i in idx:
             c = chunks[i]
             r = c.request
-            cap = 0 if not self._drafts_for(r) else min(self.k, c.num_tokens - 1)
-            row = VerifyRow(max_drafts=cap, deterministic=r.params.seed is not None, greedy=r.params.temperature == 0,
-                            survival=_survival(r.next_conf) if r.has_drafts else None)
-            could.append(row)
+            ok = self._drafts_for(r)
+            row = VerifyRow(max_drafts=min(self.k, c.num_tokens - 1) if ok else 0, deterministic=r.params.seed is not None,
+                            greedy=r.params.temperature == 0, survival=_survival(r.next_conf) if r.has_drafts else None)
+            # with fresh drafts the row could take K (the scheduler reserves 1 token for a row without)
+            could.append(VerifyRow(self.k if ok else 0, row.deterministic, row.greedy, row.survival))
             rows.append(row if r.has_drafts else VerifyRow(0, row.deterministic, row.greedy))
         host_tokens = sum(c.num_tokens for c in chunks if not c.verify)
         plan = self.policy.plan(rows, host_tokens)

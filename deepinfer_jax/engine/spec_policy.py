@@ -80,9 +80,11 @@ class StepTimes:
         return math.inf if i is None else self.times[i]
 
     def observe(self, tokens: int, time_ns: float) -> None:
+        """Move the bucket's time toward ``time_ns``; one sample counts at most twice the current
+        value (a step that waited on a compilation or another process must not hide the bucket)."""
         i = self.bucket_index(tokens)
         if i is not None and time_ns > 0:
-            self.times[i] += self.alpha * (time_ns - self.times[i])
+            self.times[i] += self.alpha * (min(time_ns, 2.0 * self.times[i]) - self.times[i])
 
 
 class AcceptanceStats:
@@ -182,6 +184,7 @@ class DSparkPolicy:
     deterministic_k: int = 3
     stats: AcceptanceStats | None = None
     plain_times: StepTimes | None = None  # steps that do not draft (None: never stop drafting)
+    margin: float = 0.05  # drafting must promise this much more than plain decoding (model error, host work)
     name: str = "dspark"
     last_budget: int = field(default=0, init=False)
 
@@ -211,12 +214,12 @@ class DSparkPolicy:
         """Whether a step like this one, with fresh drafts for every row, beats plain decoding."""
         if not rows or self.plain_times is None:
             return True
-        if any(r.deterministic and r.max_drafts for r in rows):
+        if self.deterministic_k and any(r.deterministic and r.max_drafts for r in rows):
             return True  # their fixed counts need drafts
         plan = self.plan(rows, host_tokens)
         n = host_tokens + len(rows) + plan.budget
         spec_rate = plan.expected_tokens / self.times.time(n)
-        return spec_rate > len(rows) / self.plain_times.time(host_tokens + len(rows))
+        return spec_rate > (1.0 + self.margin) * len(rows) / self.plain_times.time(host_tokens + len(rows))
 
 
 #: Policy names accepted by ``EngineConfig.speculation``.

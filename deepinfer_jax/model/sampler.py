@@ -61,42 +61,45 @@ def row_key(seed: jax.Array, stream: jax.Array, position: jax.Array) -> jax.Arra
     return jax.random.fold_in(jax.random.fold_in(key, stream.astype(jnp.uint32)), position.astype(jnp.uint32))
 
 
-def _threshold_bits(p_bits, p, top_p, top_k):
-    """The largest float32 bit patterns ``tp``, ``tk`` with mass(p >= tp) >= top_p and count(p >= tk) >= top_k.
+def _threshold_bits(p_bits, weight, target):
+    """The largest float32 bit pattern ``t`` with sum(weight[p >= t]) >= target.
 
     Probabilities are non-negative, so their int32 bit patterns order like the values: a 31-step
-    bisection over bit patterns finds each threshold exactly, with no sort of the vocabulary.
-    """
+    bisection over bit patterns finds the threshold exactly, with no sort of the vocabulary. With
+    ``weight`` = the probabilities it is the top-p threshold; with ones, the top-k one."""
 
     def body(_, carry):
-        lo_p, hi_p, lo_k, hi_k = carry
-        mid_p, mid_k = lo_p + (hi_p - lo_p + 1) // 2, lo_k + (hi_k - lo_k + 1) // 2
-        ok_p = jnp.sum(jnp.where(p_bits >= mid_p, p, 0.0)) >= top_p
-        ok_k = jnp.sum((p_bits >= mid_k).astype(jnp.int32)) >= top_k
-        return (jnp.where(ok_p, mid_p, lo_p), jnp.where(ok_p, hi_p, mid_p - 1),
-                jnp.where(ok_k, mid_k, lo_k), jnp.where(ok_k, hi_k, mid_k - 1))
+        lo, hi = carry
+        mid = lo + (hi - lo + 1) // 2
+        ok = jnp.sum(jnp.where(p_bits >= mid, weight, 0)) >= target
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-    top = jnp.max(p_bits)
-    zero = jnp.zeros((), jnp.int32)
-    lo_p, _, lo_k, _ = jax.lax.fori_loop(0, 31, body, (zero, top, zero, top))
-    return lo_p, lo_k
+    lo, _ = jax.lax.fori_loop(0, 31, body, (jnp.zeros((), jnp.int32), jnp.max(p_bits)))
+    return lo
+
+
+def search_flags(top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(any row uses top-p, any row uses top-k): one flag per filter for the whole batch."""
+    return jnp.any(top_p < 1.0), jnp.any(top_k > 0)
 
 
 def _filter(search, logits_V, temperature, top_k, top_p, min_p):
     """(scaled logits, kept tokens [V] bool, greedy id) of one row: the filters as thresholds on the
     probabilities of ``softmax(logits / T)``; the most likely token is always kept.
 
-    ``search`` (one flag for the whole batch) is False when no row uses top-p or top-k; the
-    threshold search is then skipped, which changes nothing for any row."""
+    ``search`` = (search top-p, search top-k) (``search_flags``: one pair for the whole batch); a
+    threshold search no row needs is skipped, which changes nothing for any row."""
     vocab = logits_V.shape[0]
+    search_p, search_k = search
     greedy = jnp.argmax(logits_V).astype(jnp.int32)
     t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits_V / t
     p = jax.nn.softmax(scaled)
     p_bits = jax.lax.bitcast_convert_type(p, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
-    tp, tk = jax.lax.cond(search, lambda: _threshold_bits(p_bits, p, top_p, jnp.where(top_k > 0, top_k, 1)),
-                          lambda: (zero, zero))
+    tp = jax.lax.cond(search_p, lambda: _threshold_bits(p_bits, p, top_p), lambda: zero)
+    tk = jax.lax.cond(search_k, lambda: _threshold_bits(p_bits, jnp.ones((), jnp.int32), jnp.where(top_k > 0, top_k, 1)),
+                      lambda: zero)
     keep = (p_bits >= tp) | (top_p >= 1.0)
     keep &= (p_bits >= tk) | (top_k <= 0)
     keep &= p >= min_p * jnp.max(p)
@@ -126,7 +129,7 @@ def sample_tokens(logits_RV, keys_R, temperature, top_k, top_p, min_p) -> jax.Ar
 
     An all-greedy batch skips the stochastic path (its rows would take the argmax anyway)."""
     logits_RV = logits_RV.astype(jnp.float32)
-    search = jnp.any((top_p < 1.0) | (top_k > 0))
+    search = search_flags(top_k, top_p)
 
     def stochastic():
         return jax.vmap(partial(_sample_row, search))(logits_RV, temperature, top_k, top_p, min_p, keys_R)

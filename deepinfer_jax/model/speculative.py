@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.model import dspark
 from deepinfer_jax.model.paged import Captured, StepInputs
-from deepinfer_jax.model.sampler import _sample_row, apply_bitmask, filtered_probs, row_key
+from deepinfer_jax.model.sampler import _filter, apply_bitmask, row_key, search_flags
 
 __all__ = ["SpecLayout", "SpecRows", "SpecState", "accept", "draft_next", "init_spec_state", "select_counts",
            "verify_inputs", "write_features"]
@@ -168,26 +168,44 @@ class Accepted(NamedTuple):
     top_logprobs: jax.Array  # [R, K+1, T] f32
 
 
-def _accept_sampled_row(search, vocab_ids, logits_JV, count, drafts_K, dlogits_KV, temperature, top_k, top_p, min_p,
-                        keys_J):
-    """(accepted drafts m, the token at position m) of one sampled row (J = K + 1 logit rows); the
-    draft logits [K, Vd] are over the draft vocabulary ``vocab_ids`` [Vd] (p_d is 0 elsewhere)."""
-    k, v = logits_JV.shape[0] - 1, logits_JV.shape[1]
-    p_t = jax.vmap(lambda lg: filtered_probs(search, lg, temperature, top_k, top_p, min_p))(logits_JV)
-    p_sub = jax.nn.softmax(dlogits_KV / jnp.where(temperature > 0, temperature, 1.0), axis=-1)
-    p_d = jnp.zeros((k, v), jnp.float32).at[:, vocab_ids].set(p_sub)
-    pt_x = jnp.take_along_axis(p_t[:k], drafts_K[:, None], axis=1)[:, 0]
-    pd_x = jnp.take_along_axis(p_d, drafts_K[:, None], axis=1)[:, 0]
-    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys_J[:k])
-    ok = (u * pd_x < pt_x) & (jnp.arange(k) < count)  # u < p_t / p_d, without dividing by p_d
-    m = jnp.sum(jnp.cumprod(ok)).astype(jnp.int32)
+def _accept_sampled(search, vocab_ids, flat_MV, idx_RJ, produce_R, count_R, drafts_RK, dlogits_RKV, sampling, keys_RJ):
+    """(accepted drafts m [R], the token at position m [R]) of every row as a sampled row.
+
+    ``flat_MV``: the step's logit rows (masks applied); row r's position j is ``idx_RJ[r, j]``. The
+    engine's filter (``sampler._filter``) runs once per logit row with the settings of the row that
+    owns it, not once per (row, position): a step verifies far fewer tokens than R x (K + 1). The
+    draft logits [R, K, Vd] are over the draft vocabulary ``vocab_ids`` [Vd] (p_d is 0 elsewhere)."""
+    r, j = idx_RJ.shape
+    k = j - 1
+    m_rows, v = flat_MV.shape
+    # the request row owning each logit row: positions 0..count of every row (disjoint ranges)
+    own = jnp.where((jnp.arange(j)[None, :] <= count_R[:, None]) & produce_R[:, None], idx_RJ, m_rows)
+    owner = jnp.zeros(m_rows, jnp.int32).at[own.reshape(-1)].set(jnp.repeat(jnp.arange(r, dtype=jnp.int32), j),
+                                                                 mode="drop")
+    T, top_k, top_p, min_p = (x[owner] for x in (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p))
+    scaled, keep, greedy = jax.vmap(lambda *a: _filter(search, *a))(flat_MV, T, top_k, top_p, min_p)
+    p_t = jnp.where(keep, jax.nn.softmax(scaled, axis=-1), 0.0)
+    p_t = p_t / jnp.sum(p_t, axis=-1, keepdims=True)  # [M, V] the distribution each logit row samples
+    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    p_sub = jax.nn.softmax(dlogits_RKV / temp[:, None, None], axis=-1)  # [R, K, Vd]
+    col = jnp.zeros(v, jnp.int32).at[vocab_ids].set(jnp.arange(vocab_ids.shape[0], dtype=jnp.int32))
+    pt_x = p_t[idx_RJ[:, :k], drafts_RK]  # [R, K]
+    pd_x = jnp.take_along_axis(p_sub, col[drafts_RK][..., None], axis=2)[..., 0]  # drafts lie in the vocabulary
+    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys_RJ[:, :k])
+    ok = (u * pd_x < pt_x) & (jnp.arange(k)[None, :] < count_R[:, None])  # u < p_t / p_d, without dividing
+    m = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    rows = jnp.arange(r)
     at = jnp.minimum(m, k - 1)
-    resid = jnp.maximum(p_t[at] - p_d[at], 0.0)
-    resid = jnp.where(jnp.sum(resid) > 0, resid, p_t[at])
-    g = jax.random.gumbel(keys_J[m], resid.shape, jnp.float32)
-    corrected = jnp.argmax(jnp.where(resid > 0, jnp.log(resid) + g, -jnp.inf)).astype(jnp.int32)
-    bonus = _sample_row(search, logits_JV[m], temperature, top_k, top_p, min_p, keys_J[m])
-    return m, jnp.where(m < count, corrected, bonus)
+    p_d = jnp.zeros((r, v), jnp.float32).at[rows[:, None], vocab_ids[None, :]].set(p_sub[rows, at])
+    pt_at = p_t[idx_RJ[rows, at]]
+    resid = jnp.maximum(pt_at - p_d, 0.0)
+    resid = jnp.where(jnp.sum(resid, axis=1, keepdims=True) > 0, resid, pt_at)
+    g = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys_RJ[rows, m])
+    corrected = jnp.argmax(jnp.where(resid > 0, jnp.log(resid) + g, -jnp.inf), axis=1).astype(jnp.int32)
+    at_m = idx_RJ[rows, m]  # the bonus: exactly ``sampler._sample_row`` on logit row at_m with the same key
+    bonus = jnp.argmax(jnp.where(keep[at_m], scaled[at_m] + g, -jnp.inf), axis=1).astype(jnp.int32)
+    bonus = jnp.where(sampling.temperature > 0, bonus, greedy[at_m])
+    return m, jnp.where(m < count_R, corrected, bonus)
 
 
 def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, spec: SpecState, slot_R: jax.Array,
@@ -214,9 +232,6 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
     drafts = spec.drafts[s]
     count = jnp.where(rows.is_verify, layout.counts, 0)
 
-    def full_rows():  # [R, J, V] with the mask on each row's first position
-        return logits_MV[idx].astype(jnp.float32).at[:, 0].set(first)
-
     def greedy_rows():
         match = (drafts == greedy[:, :k]) & (j[None, :k] < count[:, None])
         m = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
@@ -225,10 +240,10 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
     def sampled_rows():
         keys = jax.vmap(lambda sd, st, b: jax.vmap(lambda i: row_key(sd, st, b + i))(j))(
             sampling.seed, sampling.stream, base)
-        search = jnp.any((sampling.top_p < 1.0) | (sampling.top_k > 0))
-        m_s, last_s = jax.vmap(lambda *a: _accept_sampled_row(search, vocab_ids, *a))(
-            full_rows(), count, drafts, spec.draft_logits[s], sampling.temperature, sampling.top_k, sampling.top_p,
-            sampling.min_p, keys)
+        flat = logits_MV.astype(jnp.float32).at[jnp.where(produce, idx[:, 0], logits_MV.shape[0])].set(
+            first, mode="drop")  # each row's first position carries its mask
+        m_s, last_s = _accept_sampled(search_flags(sampling.top_k, sampling.top_p), vocab_ids, flat, idx, produce, count,
+                                      drafts, spec.draft_logits[s], sampling, keys)
         m_g, last_g = greedy_rows()
         hot = sampling.temperature > 0
         return jnp.where(hot, m_s, m_g), jnp.where(hot, last_s, last_g)
@@ -237,10 +252,10 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
     padded = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j[None, :] < m[:, None], padded, jnp.where(j[None, :] == m[:, None], last[:, None], 0))
 
-    def logprobs():
-        logp = jax.nn.log_softmax(logits_MV[idx].astype(jnp.float32), axis=-1)  # the raw distribution
+    def logprobs():  # per logit row, then gathered: the raw distribution
+        logp = jax.nn.log_softmax(logits_MV.astype(jnp.float32), axis=-1)
         top_lp, top_ids = jax.lax.top_k(logp, num_top)
-        return jnp.take_along_axis(logp, tokens[..., None], axis=2)[..., 0], top_ids.astype(jnp.int32), top_lp
+        return logp[idx, tokens], top_ids[idx].astype(jnp.int32), top_lp[idx]
 
     def none():
         zeros = jnp.zeros((r, k + 1, num_top))
