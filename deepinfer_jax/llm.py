@@ -44,7 +44,7 @@ from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_core import DPEngineCore
 from deepinfer_jax.engine.profiling import profile_cost_model, profile_step_times
 from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
-from deepinfer_jax.runner import Buckets, ModelRunner
+from deepinfer_jax.runner import Buckets, ModelRunner, SampleSpec
 from deepinfer_jax.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_CHECKPOINT", "LLM", "PRESETS"]
@@ -209,19 +209,24 @@ class LLM:
         from deepinfer_jax.engine.spec_decode import SpecDecoding
         from deepinfer_jax.engine.spec_policy import AcceptanceStats, StepTimes, make_policy
 
-        times = plain = None
-        if self.speculation == "dspark":  # step times with and without the drafter, per token bucket
-            with tqdm(desc="profiling step times", disable=not use_tqdm, total=2 * len(self.buckets.tokens)) as bar:
+        times = plain = search = None
+        if self.speculation == "dspark":  # step times with and without the drafter, per token bucket, for
+            # steps whose sampling searches top-p / top-k thresholds over every logit row and for the others
+            nb = len(self.buckets.tokens)
+            with tqdm(desc="profiling step times", disable=not use_tqdm, total=4 * nb) as bar:
                 tick = lambda *_: bar.update(1)
-                times = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=tick))
-                plain = StepTimes(self.buckets.tokens, profile_step_times(self.runner, progress=tick, draft=False))
+                prof = lambda draft, sp=None: StepTimes(self.buckets.tokens, profile_step_times(
+                    self.runner, progress=tick, draft=draft, sample=sp))
+                times, plain = prof(True), prof(False)
+                top_p = SampleSpec(temperature=1.0, top_p=0.95)
+                search = (prof(True, top_p), prof(False, top_p))
         ntok = self.engine_config.num_speculative_tokens
         if ntok is None:  # "auto": seeded requests decode plainly unless a fixed count is asked for
             ntok = 0 if self.engine_config.speculation == "auto" else 3
         stats = AcceptanceStats(k)
         policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats,
                              plain_times=plain)
-        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain)
+        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain, search_times=search)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""

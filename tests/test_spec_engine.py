@@ -109,7 +109,8 @@ class FakeSpecRunner(FakeRunner):
                     confidence.append(np.zeros(K))
                     continue
                 n = int(count[i])
-                drafts = self.drafts[c.slot][:n]
+                assert n == 0 or c.slot in self.drafts, "a row verifies drafts its slot never got"
+                drafts = self.drafts.get(c.slot, [])[:n]
                 assert len(c.block_table) * self.block_size >= a + 1 + n, "a verified position lies beyond the blocks"
                 ctx, new, m = seq + [self.last[c.slot]], [], 0
                 while True:
@@ -135,15 +136,15 @@ class FakeSpecRunner(FakeRunner):
 
 
 def make_spec_engine(policy="dspark", *, block_size=4, max_seqs=4, max_len=256, budget=64, async_scheduling=False,
-                     num_blocks=128, fixed_k=3):
+                     num_blocks=128, fixed_k=3, plain_times=None, search_times=None):
     sched = Scheduler(num_blocks=num_blocks, block_size=block_size, max_blocks_per_request=max_len // block_size,
                       max_num_seqs=max_seqs, max_model_len=max_len, max_num_batched_tokens=budget, chunking="tokens",
                       spec_tokens=K)
     runner = FakeSpecRunner(block_size)
     times = StepTimes((4, 8, 16, 32, 64), [10.0, 11.0, 13.0, 20.0, 40.0])
     stats = AcceptanceStats(K)
-    spec = SpecDecoding(make_policy(policy, k=K, num_speculative_tokens=fixed_k, times=times, stats=stats), K, times,
-                        stats)
+    spec = SpecDecoding(make_policy(policy, k=K, num_speculative_tokens=fixed_k, times=times, stats=stats,
+                                    plain_times=plain_times), K, times, stats, plain_times, search_times=search_times)
     engine = EngineCore(runner, sched, tokenizer=None, eos_token_id=EOS, async_scheduling=async_scheduling, spec=spec)
     return engine, runner
 
@@ -201,6 +202,58 @@ def test_context_limit_and_preemption_under_speculation():
     assert engine.stats.preemptions > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_plain_decoding_when_drafting_does_not_pay_and_back_when_it_does(async_scheduling):
+    """While the plain step times beat any budget the engine stops drafting: its verify rows verify
+    nothing and reserve one token of the step budget each (not 1 + K); when drafting pays again (the
+    plain times rise), rows that have been decoding plainly draft and verify again. Outputs stay exact."""
+    fast_plain = StepTimes((4, 8, 16, 32, 64), [1.0, 1.1, 1.3, 2.0, 4.0])  # 10x cheaper than drafting steps
+    engine, runner = make_spec_engine(plain_times=fast_plain, async_scheduling=async_scheduling)
+    rng = np.random.default_rng(8)
+    prompts = prompts_mix(rng, 4, 3, 12)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    rids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+    done, plans = {}, []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+
+    def steps(n):
+        for _ in range(n):
+            for out in engine.step():
+                done[rids[out.request_id]] = out
+
+    steps(6)  # prefill, then at most a step verifying the first drafts
+    v0, steps0, plans0 = runner.verified_total, len(runner.steps), len(plans)
+    steps(12)
+    assert runner.verified_total == v0  # no drafts in the steady state
+    later = [c for chunks in runner.steps[steps0 + 2:] for c in chunks if c.verify]
+    assert later and all(c.max_drafts == 0 for c in later)
+    reserved = [c.num_tokens for p in plans[plans0 + 2:] for c in p.chunks if c.verify]
+    assert reserved and set(reserved) == {1}
+    fast_plain.times = [100.0] * 5  # now plain decoding is the slow option
+    steps(10)
+    assert runner.verified_total > v0 and runner.accepted_total > 0
+    while engine.has_unfinished:
+        steps(1)
+    for i, p in enumerate(prompts):
+        assert done[i].outputs[0].token_ids == reference(p, 60, eos=False)
+
+
+def test_steps_that_search_top_p_use_their_own_step_times():
+    """A step with a top-p sampled row plans with (and teaches) the search tables; greedy steps the others."""
+    search = (StepTimes((4, 8, 16, 32, 64), [10.0] * 5), StepTimes((4, 8, 16, 32, 64), [10.0] * 5))
+    plain = StepTimes((4, 8, 16, 32, 64), [10.0] * 5)
+    engine, _ = make_spec_engine(plain_times=plain, search_times=search)
+    rng = np.random.default_rng(2)
+    prompts = prompts_mix(rng, 2, 3, 8)
+    run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    greedy_times = list(engine.spec.times.times) + list(plain.times)
+    assert search[0].times == [10.0] * 5 and search[1].times == [10.0] * 5  # untouched by greedy steps
+    run_all(engine, prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=10, ignore_eos=True, seed=1))
+    assert search[0].times != [10.0] * 5 or search[1].times != [10.0] * 5
+    assert list(engine.spec.times.times) + list(plain.times) == greedy_times
+
+
 # ---- policies -----------------------------------------------------------------------------------
 
 
@@ -249,6 +302,20 @@ def test_dspark_policy_fixes_deterministic_rows_and_fixed_policy_forces_all():
     assert fixed.caps == (3, 3, 0) and all(fixed.forced) and fixed.budget == 0
 
 
+def test_dspark_policy_drafts_only_with_a_margin_over_plain_decoding():
+    times = StepTimes((4, 8, 16, 32), [10.0] * 4)
+    rows = [VerifyRow(K, False, True, 0.5 ** np.arange(1, K + 1))] * 4
+    # with drafts: every draft verified (free), 4 x (1 + 0.5 + 0.25 + ...) tokens in 10 ns; plain: 4 in t ns
+    expected = 4 * (1 + sum(0.5 ** np.arange(1, K + 1)))
+    for plain_t, want in ((10.0, True), (4 * 10.0 / expected * 1.02, False), (4 * 10.0 / expected * 1.1, True)):
+        pol = DSparkPolicy(K, times, plain_times=StepTimes((4, 8, 16, 32), [plain_t] * 4))
+        assert pol.worth_drafting(rows, 0) is want, plain_t
+    seeded = [VerifyRow(K, True, True, None)]
+    fast = StepTimes((4, 8, 16, 32), [0.001] * 4)
+    assert DSparkPolicy(K, times, deterministic_k=3, plain_times=fast).worth_drafting(seeded, 0)
+    assert not DSparkPolicy(K, times, deterministic_k=0, plain_times=fast).worth_drafting(seeded, 0)
+
+
 def test_acceptance_calibration_follows_observations():
     stats = AcceptanceStats(K, prior=2.0)
     surv = np.array([0.9, 0.8, 0.7, 0.6, 0.5])
@@ -267,5 +334,7 @@ def test_step_times_validate_and_follow_measurements():
     t = StepTimes((4, 8), [10.0, 20.0], alpha=0.5)
     t.observe(6, 40.0)
     assert t.time(5) == 30.0 and t.time(3) == 10.0 and t.time(9) == math.inf
+    t.observe(2, 1e9)  # a step that waited on a compilation counts as twice the bucket's time at most
+    assert t.time(2) == 15.0
     with pytest.raises(ValueError, match="speculation"):
         make_policy("sometimes", k=K, num_speculative_tokens=2)

@@ -214,7 +214,7 @@ class EngineCore:
                     c.request.restore = None
             vplan = caps = planned = None
             if self.spec is not None:
-                vplan, caps, planned, draft = self.spec.plan(plan.chunks)
+                vplan, caps, planned, draft = self.spec.plan(plan.chunks, fresh=prev is None)
             specs = [self._spec(c, None if caps is None else caps.get(i)) for i, c in enumerate(plan.chunks)]
             rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
                     if c.sample and c.request.matcher is not None]

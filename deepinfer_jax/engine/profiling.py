@@ -58,11 +58,14 @@ def profile_cost_model(runner: ModelRunner, *, max_tokens: int, max_model_len: i
     return model, steps, times
 
 
-def profile_step_times(runner, repeats: int = 2, progress=None, draft: bool = True) -> list[float]:
+def profile_step_times(runner, repeats: int = 2, progress=None, draft: bool = True,
+                       sample: SampleSpec | None = None) -> list[float]:
     """Device time (ns, best of ``repeats``) of a full step per token bucket, for the speculative
     budget (``engine.spec_policy.StepTimes``): the largest request bucket's rows, each a chunk that
-    samples (so the step also runs the drafter, unless ``draft`` is False), splitting the bucket's
-    tokens between them. ``runner`` is a ``SpecRunner``."""
+    samples with ``sample`` (default greedy; a top-p one makes every logit row run the filter search),
+    so the step also runs the drafter unless ``draft`` is False, splitting the bucket's tokens between
+    them. ``runner`` is a ``SpecRunner``."""
+    sample = sample or SampleSpec()
     cc = runner.cache_cfg
     r = min(runner.buckets.requests[-1], cc.max_requests)
     out = []
@@ -73,7 +76,7 @@ def profile_step_times(runner, repeats: int = 2, progress=None, draft: bool = Tr
         for slot, q in enumerate(sizes):
             nb = math.ceil(q / cc.block_size)
             table = [(slot * nb + b) % cc.num_blocks for b in range(nb)]
-            chunks.append(ChunkSpec(slot=slot, block_table=table, ctx_len=0, token_ids=[1] * q, sample=SampleSpec(),
+            chunks.append(ChunkSpec(slot=slot, block_table=table, ctx_len=0, token_ids=[1] * q, sample=sample,
                                     prompt_len=q))
         best = math.inf
         for _ in range(repeats):

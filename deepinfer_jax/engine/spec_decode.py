@@ -9,7 +9,9 @@ fresh drafts (e.g. at high load, where verifying costs more than it gains), the 
 and the next step decodes plainly, paying nothing for speculation. ``observe`` takes a reconciled
 step back: per row the drafts verified and accepted (against the survival the plan assumed), the
 confidences of its next drafts (the next plan's estimate, one step stale under asynchronous
-scheduling), and the step's device time for its token bucket.
+scheduling), and the step's device time for its token bucket. Steps whose sampling runs the top-p /
+top-k threshold search (every logit row then searches, so each verified token costs more) keep their
+own step-time tables (``search_times``).
 """
 
 from __future__ import annotations
@@ -44,22 +46,30 @@ class _Planned:
     survival: dict  # chunk index -> the survival estimate used (or None)
     tokens: int  # the step's planned flat tokens (host chunks + verify rows + forced + budget)
     draft: bool  # the step drafts the next blocks
+    search: bool = False  # its sampling searches top-p / top-k thresholds (``search_times`` apply)
 
 
 class SpecDecoding:
     """Plans verification with a policy, and learns from the results."""
 
     def __init__(self, policy: VerifyPolicy, k: int, times: StepTimes, stats: AcceptanceStats,
-                 plain_times: StepTimes | None = None, sampled_drafts: bool = True) -> None:
+                 plain_times: StepTimes | None = None, sampled_drafts: bool = True,
+                 search_times: tuple[StepTimes, StepTimes] | None = None) -> None:
         self.policy, self.k, self.times, self.acceptance = policy, k, times, stats
         self.plain_times = plain_times  # steps that skip drafting
+        # (drafting, plain) step times of steps whose sampling searches top-p / top-k thresholds (every
+        # logit row then runs the search: verification costs more there); None = one table for all
+        self.search_times = search_times
         # False: sampled requests (temperature > 0) verify no drafts and decode as without speculation
         self.sampled_drafts = sampled_drafts
         self.stats = SpecStats()
 
-    def plan(self, chunks: Sequence) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
+    def plan(self, chunks: Sequence, fresh: bool = True) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
         """(the policy's plan, chunk index -> (cap, forced) for the verify rows, what to remember, whether
-        the step drafts the next blocks)."""
+        the step drafts the next blocks). ``fresh``: the host holds the confidences of the drafts this
+        step verifies (no step in flight); else (asynchronous scheduling) it holds the previous block's,
+        and the plan assumes the acceptance observed per depth instead: measured at one sequence, the
+        stale confidences picked worse budgets than that average (1.08x vs 1.14x plain decoding)."""
         idx = [i for i, c in enumerate(chunks) if c.verify]
         rows, could = [], []
         for i in idx:
@@ -67,11 +77,20 @@ class SpecDecoding:
             r = c.request
             ok = self._drafts_for(r)
             row = VerifyRow(max_drafts=min(self.k, c.num_tokens - 1) if ok else 0, deterministic=r.params.seed is not None,
-                            greedy=r.params.temperature == 0, survival=_survival(r.next_conf) if r.has_drafts else None)
+                            greedy=r.params.temperature == 0,
+                            survival=_survival(r.next_conf) if r.has_drafts and fresh else None)
             # with fresh drafts the row could take K (the scheduler reserves 1 token for a row without)
             could.append(VerifyRow(self.k if ok else 0, row.deterministic, row.greedy, row.survival))
             rows.append(row if r.has_drafts else VerifyRow(0, row.deterministic, row.greedy))
+        for c in chunks:  # a prefill chunk that samples: its request decodes from the next step on
+            if c.sample and not c.verify:
+                r = c.request
+                could.append(VerifyRow(self.k if self._drafts_for(r) else 0, r.params.seed is not None,
+                                       r.params.temperature == 0))
         host_tokens = sum(c.num_tokens for c in chunks if not c.verify)
+        search = self.search_times is not None and _searches(chunks)
+        if hasattr(self.policy, "plain_times"):  # the step-time tables of this kind of step
+            self.policy.times, self.policy.plain_times = self._tables(search)
         plan = self.policy.plan(rows, host_tokens)
         caps = {i: (cap, forced) for i, cap, forced in zip(idx, plan.caps, plan.forced)}
         self.stats.budgets.append(plan.budget)
@@ -82,7 +101,10 @@ class SpecDecoding:
         for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
             if c.sample:
                 c.request.has_drafts = draft and self._drafts_for(c.request)
-        return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens, draft), draft
+        return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens, draft, search), draft
+
+    def _tables(self, search: bool) -> tuple[StepTimes, StepTimes | None]:
+        return self.search_times if search else (self.times, self.plain_times)
 
     def _drafts_for(self, r) -> bool:
         """Whether request ``r`` verifies drafts: not under structured output (its mask covers one
@@ -91,10 +113,11 @@ class SpecDecoding:
 
     def observe(self, chunks: Sequence, results, pending, planned: _Planned, device_ns: float) -> None:
         """Take a reconciled step's verify rows and time back."""
+        times, plain = self._tables(planned.search)
         if planned.draft:
-            self.times.observe(planned.tokens, device_ns)
-        elif self.plain_times is not None:
-            self.plain_times.observe(planned.tokens, device_ns)
+            times.observe(planned.tokens, device_ns)
+        elif plain is not None:
+            plain.observe(planned.tokens, device_ns)
         for i, (c, res) in enumerate(zip(chunks, results)):
             r = c.request
             if res is not None and len(pending.confidence) > i:
@@ -119,6 +142,13 @@ class SpecDecoding:
                 "spec_acceptance_by_depth": self.acceptance.acceptance_rate(),
                 "spec_mean_budget": float(np.mean(s.budgets)) if s.budgets else None,
                 "spec_drafting_steps": s.steps_drafting, "spec_steps": s.steps}
+
+
+def _searches(chunks: Sequence) -> bool:
+    """Whether the step's sampling runs the top-p / top-k threshold search: some sampling row has a
+    temperature and some has such a filter (``model.sampler.search_flags``: one flag per step)."""
+    params = [c.request.params for c in chunks if c.sample]
+    return any(p.temperature > 0 for p in params) and any(p.top_p < 1.0 or p.top_k > 0 for p in params)
 
 
 def _survival(conf) -> np.ndarray | None:

@@ -219,7 +219,7 @@ class DSparkPolicy:
         plan = self.plan(rows, host_tokens)
         n = host_tokens + len(rows) + plan.budget
         spec_rate = plan.expected_tokens / self.times.time(n)
-        return spec_rate > (1.0 + self.margin) * len(rows) / self.plain_times.time(host_tokens + len(rows))
+        return bool(spec_rate > (1.0 + self.margin) * len(rows) / self.plain_times.time(host_tokens + len(rows)))
 
 
 #: Policy names accepted by ``EngineConfig.speculation``.
