@@ -4,7 +4,8 @@
                                      [--sim-steps 400] [--skip-engine]
 
 1. Engine (the shipped small checkpoint and its drafter, greedy, prompts = 32-token windows of the
-   held-out corpus): at each concurrency c (c requests at once), output tokens/s and tokens per verify
+   held-out corpus): at each concurrency c (c requests at once, at least 8 per run, served c at a
+   time), output tokens/s and tokens per verify
    row per step for no speculation (``speculation="none"``, a plain engine: the baseline), fixed 1..5
    drafts, and the DSpark dynamic budget (the default engine, ``speculation="auto"``); the spec
    policies share one engine (the policy is swapped), runs interleaved, best of ``--repeats``. Then
@@ -36,6 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 5
+MIN_PROMPTS = 8  # prompts per run at least: one 32-token answer is too short a run to time
 SEED_T0_NS, SEED_PER_TOKEN_NS = 13.3e6, 15.3e3  # derived in the module docstring
 
 
@@ -72,7 +74,7 @@ def engine_part(concurrency, max_tokens, repeats) -> tuple[list[dict], list, lis
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
     rows, trace, profile = [], [], []
     for c in concurrency:
-        batch = prompts(c)
+        batch = prompts(max(c, MIN_PROMPTS))  # below MIN_PROMPTS the engine serves them c at a time
         t0 = time.perf_counter()
         plain = LLM(speculation="none", **settings(c, max_tokens))
         spec = LLM(**settings(c, max_tokens))  # the default: speculation="auto", the dynamic budget

@@ -79,6 +79,7 @@ class _InFlight:
     writeback: tuple | None = None  # (digests, device rows) of newly cached blocks for the lower tiers
     spec: object = None  # speculative decoding: what the step's plan assumed
     crossings: dict = field(default_factory=dict)  # verify chunk index -> window copy if it crossed a block
+    started: float = 0.0  # when the step() that scheduled it began
 
 
 class EngineCore:
@@ -229,7 +230,7 @@ class EngineCore:
             else:
                 logprobs = any(c.request.logprobs is not None for c in plan.chunks)
                 fwd = self.runner.forward(specs, vplan.budget, draft, logprobs)
-            launched = _InFlight(plan, None, time.perf_counter(), spec=planned)
+            launched = _InFlight(plan, None, time.perf_counter(), spec=planned, started=t0)
             prefix = self.scheduler.prefix
             if prefix is not None:  # window copies and block reads right behind the model step
                 self._take_snapshots(launched)
@@ -348,6 +349,9 @@ class EngineCore:
             on_tokens()
         self.stats.wait_s += ready - t0
         device_ns = (ready - max(step.launched, self._last_ready)) * 1e9
+        # the step's share of wall time: since the previous result (or since it was scheduled, after a pause),
+        # host work that did not overlap the device included
+        period_ns = (ready - max(step.started, self._last_ready)) * 1e9
         self._last_ready = ready
         self.stats.device_s += device_ns / 1e9
         if step.plan.predicted_ns is not None:
@@ -356,7 +360,7 @@ class EngineCore:
         if self.cost_model is not None:
             self.cost_model.observe(self._observed_shape(step), device_ns)
         if step.spec is not None:
-            self.spec.observe(step.plan.chunks, results, step.pending, step.spec, device_ns)
+            self.spec.observe(step.plan.chunks, results, step.pending, step.spec, period_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
         self._write_back([step.writeback] if step.writeback is not None else [])

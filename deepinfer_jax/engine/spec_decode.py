@@ -9,7 +9,7 @@ fresh drafts (e.g. at high load, where verifying costs more than it gains), the 
 and the next step decodes plainly, paying nothing for speculation. ``observe`` takes a reconciled
 step back: per row the drafts verified and accepted (against the survival the plan assumed), the
 confidences of its next drafts (the next plan's estimate, one step stale under asynchronous
-scheduling), and the step's device time for its token bucket. Steps whose sampling runs the top-p /
+scheduling), and the step's wall time (host work included) for its token bucket. Steps whose sampling runs the top-p /
 top-k threshold search (every logit row then searches, so each verified token costs more) keep their
 own step-time tables (``search_times``).
 """
@@ -111,13 +111,15 @@ class SpecDecoding:
         position), and not when sampled unless ``sampled_drafts``."""
         return r.matcher is None and (self.sampled_drafts or r.params.temperature == 0)
 
-    def observe(self, chunks: Sequence, results, pending, planned: _Planned, device_ns: float) -> None:
-        """Take a reconciled step's verify rows and time back."""
+    def observe(self, chunks: Sequence, results, pending, planned: _Planned, step_ns: float) -> None:
+        """Take a reconciled step's verify rows and time back. ``step_ns``: the step's share of wall time
+        (``EngineCore``: since the previous result, so host work the device did not hide counts: a
+        step that verifies more tokens also reconciles and detokenizes more)."""
         times, plain = self._tables(planned.search)
         if planned.draft:
-            times.observe(planned.tokens, device_ns)
+            times.observe(planned.tokens, step_ns)
         elif plain is not None:
-            plain.observe(planned.tokens, device_ns)
+            plain.observe(planned.tokens, step_ns)
         for i, (c, res) in enumerate(zip(chunks, results)):
             r = c.request
             if res is not None and len(pending.confidence) > i:

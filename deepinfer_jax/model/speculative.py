@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.model import dspark
 from deepinfer_jax.model.paged import Captured, StepInputs
-from deepinfer_jax.model.sampler import _filter, apply_bitmask, row_key, search_flags
+from deepinfer_jax.model.sampler import _filter, apply_bitmask, row_key, sample_tokens, search_flags
 
 __all__ = ["SpecLayout", "SpecRows", "SpecState", "accept", "draft_next", "init_spec_state", "select_counts",
            "verify_inputs", "write_features"]
@@ -240,10 +240,17 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
     def sampled_rows():
         keys = jax.vmap(lambda sd, st, b: jax.vmap(lambda i: row_key(sd, st, b + i))(j))(
             sampling.seed, sampling.stream, base)
-        flat = logits_MV.astype(jnp.float32).at[jnp.where(produce, idx[:, 0], logits_MV.shape[0])].set(
-            first, mode="drop")  # each row's first position carries its mask
-        m_s, last_s = _accept_sampled(search_flags(sampling.top_k, sampling.top_p), vocab_ids, flat, idx, produce, count,
-                                      drafts, spec.draft_logits[s], sampling, keys)
+        def verify():
+            flat = logits_MV.astype(jnp.float32).at[jnp.where(produce, idx[:, 0], logits_MV.shape[0])].set(
+                first, mode="drop")  # each row's first position carries its mask
+            return _accept_sampled(search_flags(sampling.top_k, sampling.top_p), vocab_ids, flat, idx, produce,
+                                   count, drafts, spec.draft_logits[s], sampling, keys)
+
+        def plain():  # no row verifies a draft: the plain sampler on each row's first position (same keys)
+            return jnp.zeros(r, jnp.int32), sample_tokens(first, keys[:, 0], sampling.temperature, sampling.top_k,
+                                                          sampling.top_p, sampling.min_p)
+
+        m_s, last_s = jax.lax.cond(jnp.any(count > 0), verify, plain)
         m_g, last_g = greedy_rows()
         hot = sampling.temperature > 0
         return jnp.where(hot, m_s, m_g), jnp.where(hot, last_s, last_g)
