@@ -29,13 +29,16 @@ Writes benchmarks/results/spec_decode.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "spec_decode.json"
 K = 5
 MIN_PROMPTS = 8  # prompts per run at least: one 32-token answer is too short a run to time
 SEED_T0_NS, SEED_PER_TOKEN_NS = 13.3e6, 15.3e3  # derived in the module docstring
@@ -115,7 +118,15 @@ def engine_part(concurrency, max_tokens, repeats) -> tuple[list[dict], list, lis
             print(f"  c={c} {name:8s} {tps:8.1f} tok/s  {steps:4d} steps  {per_row:.2f} tokens/row  "
                   f"{verified:.2f} verified/row  {tps / ref:.2f}x none", flush=True)  # as it goes: long runs
         del plain, spec
+        jax.clear_caches()  # the next concurrency compiles its own programs: free these (23 GB machines ran out)
+        gc.collect()
+        _save({"engine": rows, "trace": trace, "step_profile": profile, "partial": True})  # a crash keeps these
     return rows, trace, profile
+
+
+def _save(obj: dict) -> None:
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(obj, indent=1))
 
 
 def _recording(observe, trace: list):
@@ -174,9 +185,8 @@ def main() -> None:
     p.add_argument("--sim-steps", type=int, default=400)
     p.add_argument("--skip-engine", action="store_true", help="simulate from the trace of the last run's JSON")
     args = p.parse_args()
-    out = ROOT / "benchmarks" / "results" / "spec_decode.json"
     if args.skip_engine:
-        prev = json.loads(out.read_text())
+        prev = json.loads(OUT.read_text())
         rows, trace, profile = prev["engine"], prev["trace"], prev["step_profile"]
     else:
         rows, trace, profile = engine_part([int(c) for c in args.concurrency.split(",")], args.max_tokens,
@@ -202,9 +212,7 @@ def main() -> None:
     for row in sim:
         print(f"| {row['step_model']} | {row['sequences']} | {row['policy']} | {row['tok_s']:.0f} | "
               f"{row['tokens_per_seq_step']:.2f} | {row['verified_per_seq']:.2f} |")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"engine": rows, "trace": trace, "step_profile": profile, "cpu_step_model_ns": cpu_fit,
-                               "simulator": sim}, indent=1))
+    _save({"engine": rows, "trace": trace, "step_profile": profile, "cpu_step_model_ns": cpu_fit, "simulator": sim})
     for c in sorted({r["concurrency"] for r in rows}):
         at = {r["policy"]: r["tok_s"] for r in rows if r["concurrency"] == c}
         fixed = max(v for k, v in at.items() if k.startswith("fixed"))
