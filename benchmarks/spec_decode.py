@@ -216,7 +216,8 @@ def main() -> None:
     for c in sorted({r["concurrency"] for r in rows}):
         at = {r["policy"]: r["tok_s"] for r in rows if r["concurrency"] == c}
         fixed = max(v for k, v in at.items() if k.startswith("fixed"))
-        line = f"engine c={c}: dynamic / best fixed {at['dspark'] / fixed:.2f}x, dynamic / none {at['dspark'] / at['none']:.2f}x"
+        line = (f"engine c={c}: dynamic / best fixed {at['dspark'] / fixed:.2f}x, "
+                f"dynamic / none {at['dspark'] / at['none']:.2f}x")
         if "dspark (sampled)" in at:
             line += f"; sampled: dynamic / none {at['dspark (sampled)'] / at['none (sampled)']:.2f}x"
         print(line)

@@ -31,7 +31,8 @@ def test_the_shipped_drafter_loads_and_auto_speculates(spec_llm):
     assert spec_llm.speculation == "dspark" and spec_llm.drafter is not None
     assert LLM._speculation(EngineConfig(), spec_llm.drafter) == "dspark"
     assert LLM._speculation(EngineConfig(), None) == "none"  # no drafter: plain decoding, no error
-    assert LLM._speculation(EngineConfig(sharding="cpu-dp2-ep4", enable_prefix_caching=False), spec_llm.drafter) == "none"
+    sharded = EngineConfig(sharding="cpu-dp2-ep4", enable_prefix_caching=False)
+    assert LLM._speculation(sharded, spec_llm.drafter) == "none"
     policy = spec_llm.engine.spec.policy
     assert policy.name == "dspark" and policy.deterministic_k == 0  # seeded requests decode plainly under "auto"
     vocab = load_draft_vocab(DEFAULT_CHECKPOINT, spec_llm.model_config.vocab_size)

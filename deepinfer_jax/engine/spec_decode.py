@@ -9,9 +9,9 @@ fresh drafts (e.g. at high load, where verifying costs more than it gains), the 
 and the next step decodes plainly, paying nothing for speculation. ``observe`` takes a reconciled
 step back: per row the drafts verified and accepted (against the survival the plan assumed), the
 confidences of its next drafts (the next plan's estimate, one step stale under asynchronous
-scheduling), and the step's wall time (host work included) for its token bucket. Steps whose sampling runs the top-p /
-top-k threshold search (every logit row then searches, so each verified token costs more) keep their
-own step-time tables (``search_times``).
+scheduling), and the step's wall time (host work included) for its token bucket. Steps whose
+sampling runs the top-p / top-k threshold search (every logit row then searches, so each verified
+token costs more) keep their own step-time tables (``search_times``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class SpecDecoding:
         self.sampled_drafts = sampled_drafts
         self.stats = SpecStats()
 
-    def plan(self, chunks: Sequence, fresh: bool = True) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
+    def plan(self, chunks: Sequence,
+             fresh: bool = True) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
         """(the policy's plan, chunk index -> (cap, forced) for the verify rows, what to remember, whether
         the step drafts the next blocks). ``fresh``: the host holds the confidences of the drafts this
         step verifies (no step in flight); else (asynchronous scheduling) it holds the previous block's,
@@ -76,8 +77,8 @@ class SpecDecoding:
             c = chunks[i]
             r = c.request
             ok = self._drafts_for(r)
-            row = VerifyRow(max_drafts=min(self.k, c.num_tokens - 1) if ok else 0, deterministic=r.params.seed is not None,
-                            greedy=r.params.temperature == 0,
+            row = VerifyRow(max_drafts=min(self.k, c.num_tokens - 1) if ok else 0,
+                            deterministic=r.params.seed is not None, greedy=r.params.temperature == 0,
                             survival=_survival(r.next_conf) if r.has_drafts and fresh else None)
             # with fresh drafts the row could take K (the scheduler reserves 1 token for a row without)
             could.append(VerifyRow(self.k if ok else 0, row.deterministic, row.greedy, row.survival))

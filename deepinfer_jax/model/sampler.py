@@ -98,8 +98,8 @@ def _filter(search, logits_V, temperature, top_k, top_p, min_p):
     p_bits = jax.lax.bitcast_convert_type(p, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     tp = jax.lax.cond(search_p, lambda: _threshold_bits(p_bits, p, top_p), lambda: zero)
-    tk = jax.lax.cond(search_k, lambda: _threshold_bits(p_bits, jnp.ones((), jnp.int32), jnp.where(top_k > 0, top_k, 1)),
-                      lambda: zero)
+    ones = jnp.ones((), jnp.int32)
+    tk = jax.lax.cond(search_k, lambda: _threshold_bits(p_bits, ones, jnp.where(top_k > 0, top_k, 1)), lambda: zero)
     keep = (p_bits >= tp) | (top_p >= 1.0)
     keep &= (p_bits >= tk) | (top_k <= 0)
     keep &= p >= min_p * jnp.max(p)
