@@ -115,15 +115,6 @@ def _sample_row(search, logits_V, temperature, top_k, top_p, min_p, key):
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-def filtered_probs(search, logits_V, temperature, top_k, top_p, min_p) -> jax.Array:
-    """The distribution ``_sample_row`` draws from, as probabilities [V]: ``softmax(logits / T)``
-    restricted to the kept tokens and renormalised (temperature 0: one-hot at the argmax)."""
-    scaled, keep, greedy = _filter(search, logits_V, temperature, top_k, top_p, min_p)
-    p = jnp.where(keep, jax.nn.softmax(scaled), 0.0)
-    p = p / jnp.sum(p)
-    return jnp.where(temperature > 0, p, (jnp.arange(p.shape[0]) == greedy).astype(jnp.float32))
-
-
 def sample_tokens(logits_RV, keys_R, temperature, top_k, top_p, min_p) -> jax.Array:
     """One token id per row [R] (i32) of ``logits_RV`` [R, V], each row with its own key and settings [R].
 
