@@ -6,7 +6,7 @@ from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig
 from deepinfer_jax.engine import CompletionOutput, RequestError, RequestOutput, SamplingParams
 from deepinfer_jax.llm import LLM
 from deepinfer_jax.model.deepseek_v41 import forward_full
-from deepinfer_jax.model.generate import generate
+from deepinfer_jax.model.generate import generate, generate_ragged, pad_prompts
 from deepinfer_jax.params import init_params
 
 __all__ = [
@@ -21,9 +21,11 @@ __all__ = [
     "SamplingParams",
     "forward_full",
     "generate",
+    "generate_ragged",
     "init_params",
     "load_hf_checkpoint",
     "load_hf_drafter",
+    "pad_prompts",
     "params_from_state_dict",
     "recipe",
 ]

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from deepinfer_jax import compile_cache
 from deepinfer_jax.cache.block_hash import extra_keys, model_fingerprint
 from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore, StoreError
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_keep_tokens
@@ -85,6 +86,22 @@ def _token_buckets(ec: EngineConfig, k: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def _bar_progress(bar):
+    """A ``progress(i, total)`` callback that drives a tqdm bar (its total known from the first call)."""
+    def tick(i, n):
+        bar.total = n
+        bar.n = i
+        bar.refresh()
+    return tick
+
+
+def _atomic_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent engines never read half a file
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 class LLM:
     """An offline engine over one model. See the module docstring."""
 
@@ -94,6 +111,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine settings {unknown}; see EngineConfig for the fields")
         ec = EngineConfig(**settings)
+        t_start = time.perf_counter()
+        self.compilation_cache_dir = compile_cache.enable(ec.compilation_cache)
         self.sharding_preset = self.mesh = None
         if ec.sharding is not None:  # a bad preset or too few devices fail here, before anything loads
             from deepinfer_jax import sharding as sh
@@ -165,11 +184,10 @@ class LLM:
 
             self.runner = DPRunner(cfg, params, cache_cfg, self.mesh, self.sharding_preset, buckets,
                                    num_top_logprobs=ec.max_logprobs)
-        with tqdm(desc="compiling step buckets", disable=not use_tqdm) as bar:
-            def tick(i, n):
-                bar.total = n
-                bar.update(1)
-            self.runner.precompile(sampling=True, progress=tick)
+        self._online_saves: dict[str, Path] = {}  # profiles fitted online, saved after each generate
+        if ec.precompile == "all":
+            with tqdm(desc="compiling step buckets", unit="bucket", disable=not use_tqdm) as bar:
+                self.runner.precompile(sampling=True, progress=_bar_progress(bar))
         self.compile_s = time.perf_counter() - t0
         cost_model = self._cost_model(use_tqdm) if ec.chunking == "cost" else None
         make_scheduler = lambda: Scheduler(
@@ -192,6 +210,7 @@ class LLM:
             self.engine = EngineCore(self.runner, make_scheduler(), tokenizer=self.tokenizer,
                                      eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
                                      max_logprobs=ec.max_logprobs, structured=structured, spec=spec)
+        self.ready_s = time.perf_counter() - t_start
 
     @staticmethod
     def _speculation(ec: EngineConfig, drafter) -> str:
@@ -212,14 +231,8 @@ class LLM:
         times = plain = search = None
         if self.speculation == "dspark":  # step times with and without the drafter, per token bucket, for
             # steps whose sampling searches top-p / top-k thresholds over every logit row and for the others
-            nb = len(self.buckets.tokens)
-            with tqdm(desc="profiling step times", disable=not use_tqdm, total=4 * nb) as bar:
-                tick = lambda *_: bar.update(1)
-                prof = lambda draft, sp=None: StepTimes(self.buckets.tokens, profile_step_times(
-                    self.runner, progress=tick, draft=draft, sample=sp))
-                times, plain = prof(True), prof(False)
-                top_p = SampleSpec(temperature=1.0, top_p=0.95)
-                search = (prof(True, top_p), prof(False, top_p))
+            times, plain, *search = self._step_time_tables(use_tqdm)
+            search = tuple(search)
         ntok = self.engine_config.num_speculative_tokens
         if ntok is None:  # "auto": seeded requests decode plainly unless a fixed count is asked for
             ntok = 0 if self.engine_config.speculation == "auto" else 3
@@ -227,6 +240,58 @@ class LLM:
         policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats,
                              plain_times=plain)
         return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain, search_times=search)
+
+    def _step_time_tables(self, use_tqdm: bool) -> list:
+        """[drafting, plain, drafting with search, plain with search] ``StepTimes``: from the disk cache
+        (keyed like the cost model), else profiled (``precompile="all"``) or measured online from the
+        real steps (``"lazy"``: saved after each ``generate``)."""
+        from deepinfer_jax.engine.spec_policy import StepTimes
+
+        path = self._profile_path("spec_times")
+        buckets = self.buckets.tokens
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())["tables"]
+                tables = []
+                for i, d in enumerate(data):
+                    tables.append(StepTimes.from_json(d, buckets, fallback=tables[i - 1] if i % 2 else None))
+                if len(tables) == 4:
+                    if self.engine_config.precompile == "lazy" and not all(t.fully_measured for t in tables):
+                        self._online_saves["spec_times"] = path
+                    if self.engine_config.precompile == "lazy" or all(t.fully_measured for t in tables):
+                        return tables
+            except (ValueError, KeyError, TypeError, OSError):
+                pass  # a damaged or foreign file: measure again
+        if self.engine_config.precompile == "lazy":
+            draft, search_draft = StepTimes(buckets), StepTimes(buckets)
+            self._online_saves["spec_times"] = path
+            return [draft, StepTimes(buckets, fallback=draft), search_draft, StepTimes(buckets, fallback=search_draft)]
+        nb = len(buckets)
+        with tqdm(desc="profiling step times", unit="step", disable=not use_tqdm, total=4 * nb) as bar:
+            tick = lambda *_: bar.update(1)
+            prof = lambda draft, sp=None: StepTimes(buckets, profile_step_times(
+                self.runner, progress=tick, draft=draft, sample=sp))
+            top_p = SampleSpec(temperature=1.0, top_p=0.95)
+            tables = [prof(True), prof(False), prof(True, top_p), prof(False, top_p)]
+        _atomic_json(path, {"tables": [t.to_json() for t in tables], "source": "profiled"})
+        return tables
+
+    def _save_online_profiles(self) -> None:
+        """Write what the lazily started engine measured online (cost model, step-time tables)."""
+        for what, path in list(self._online_saves.items()):
+            try:
+                if what == "cost_model":
+                    cm = self.engine.cost_model
+                    if cm is not None and cm.num_refits:
+                        cm.save(path, {"jax": jax.__version__, "source": "online"})
+                elif what == "spec_times":
+                    spec = getattr(self.engine, "spec", None)
+                    if spec is not None:
+                        tables = [spec.times, spec.plain_times, *(spec.search_times or ())]
+                        if len(tables) == 4 and any(any(t.measured) for t in tables):
+                            _atomic_json(path, {"tables": [t.to_json() for t in tables], "source": "online"})
+            except OSError as e:
+                logging.getLogger(__name__).warning("could not save the %s profile to %s: %s", what, path, e)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint in every block digest: the config and every weight's bytes."""
@@ -238,32 +303,39 @@ class LLM:
 
     # ---- cost model ----
     def _cost_model_path(self) -> Path:
+        return self._profile_path("cost_model")
+
+    def _profile_path(self, what: str) -> Path:
+        """Where a start-up profile of this model, cache layout, buckets and machine is cached."""
         root = Path(self.engine_config.cost_model_dir or Path.home() / ".cache" / "deepinfer_jax" / "cost_model")
         dev = jax.devices()[0]
         key = json.dumps([repr(self.model_config), repr(self.cache_config), repr(self.buckets), jax.__version__,
                           dev.platform, dev.device_kind, platform.machine(), platform.node(), os.cpu_count()]
                          + ([] if self.sharding_preset is None else [repr(self.sharding_preset)]))
-        return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        name = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return root / (f"{name}.json" if what == "cost_model" else f"{name}.{what}.json")
 
     def _cost_model(self, use_tqdm: bool) -> CostModel:
         ec = self.engine_config
         path = self._cost_model_path()
         if path.is_file():
             try:
-                return CostModel.load(path)
+                model = CostModel.load(path)
+                online = json.loads(path.read_text()).get("meta", {}).get("source") == "online"
+                if not online or ec.precompile == "lazy" or not ec.profile_steps:
+                    return model  # "all" profiles over a model that was only fitted online
             except (ValueError, KeyError, OSError):
                 pass  # a damaged cache file: profile again
-        if not ec.profile_steps:  # a token-proportional guess, refitted online
+        if not ec.profile_steps or ec.precompile == "lazy":  # a token-proportional guess, refitted online
+            if ec.precompile == "lazy":
+                self._online_saves["cost_model"] = path
             per_token = ec.step_budget_ns / ec.max_num_batched_tokens
             return CostModel((0.0, per_token, 0.0, 0.0))
-        with tqdm(desc="profiling step cost", disable=not use_tqdm) as bar:
-            def tick(i, n):
-                bar.total = n
-                bar.update(1)
+        with tqdm(desc="profiling step cost", unit="step", disable=not use_tqdm) as bar:
             runner = self.runner if self.sharding_preset is None else self.runner.every_rank()
             model, _steps, _times = profile_cost_model(runner, max_tokens=ec.max_num_batched_tokens,
                                                      max_model_len=self.max_model_len, max_seqs=ec.max_num_seqs,
-                                                     progress=tick)
+                                                     progress=_bar_progress(bar))
         model.save(path, {"jax": jax.__version__, "device": jax.devices()[0].device_kind})
         return model
 
@@ -305,6 +377,8 @@ class LLM:
                     raise RuntimeError(f"engine stopped with unfinished requests {sorted(wanted - done.keys())}")
         for rid in rids:
             self.engine.requests.pop(rid, None)
+        if self._online_saves:
+            self._save_online_profiles()
         return [done[rid] for rid in rids]
 
     def _prompt(self, item) -> tuple[str | None, list[int]]:

@@ -22,7 +22,7 @@ def params():
 @pytest.fixture(scope="module")
 def llm(params):
     return LLM(config=CFG, params=params, max_num_seqs=32, max_num_batched_tokens=64, token_buckets=(32, 64),
-               block_size=16, max_model_len=MAX_LEN, chunking="tokens", use_tqdm=False)
+               block_size=16, max_model_len=MAX_LEN, chunking="tokens", use_tqdm=False, precompile="all")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from deepinfer_jax.llm import DEFAULT_CHECKPOINT
 
 # the engine shape of tests/test_chat.py and tests/test_structured_model.py (compiled programs are shared)
 SETTINGS = dict(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32, max_model_len=512,
-                chunking="tokens", use_tqdm=False)
+                chunking="tokens", use_tqdm=False, precompile="all")  # profiled step-time tables
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\n", "class Stack:\n    def __init__(self):\n",
            "# Return the sum of a list\ndef total(items):\n"]
 

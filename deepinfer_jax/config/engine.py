@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHUNKING_MODES", "SPECULATION_MODES", "EngineConfig", "yoco_keep_tokens"]
+__all__ = ["CHUNKING_MODES", "PRECOMPILE_MODES", "SPECULATION_MODES", "EngineConfig", "yoco_keep_tokens"]
 
 #: The seeds' knob for decoder bounded replay (engine.md §1.4): prompt tokens that run the decoder.
 YOCO_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
@@ -38,6 +38,12 @@ SPECULATION_MODES = ("auto", "none", "fixed", "dspark")
 #: "cost": chunk sizes from the fitted step-time model and ``step_budget_ns``; "tokens": a fixed
 #: token budget per step (``max_num_batched_tokens``, vLLM's setting).
 CHUNKING_MODES = ("cost", "tokens")
+
+#: "lazy": ``LLM()`` compiles nothing up front; each step bucket compiles on its first use (from the
+#: persistent compilation cache when an earlier process compiled it) and start-up profiling is
+#: replaced by the disk caches or online fits; "all": every bucket compiles and every start-up
+#: profile runs inside ``LLM()``, so no request ever waits on a compilation.
+PRECOMPILE_MODES = ("lazy", "all")
 
 
 def _pos(name: str, value: Any, optional: bool = False) -> None:
@@ -81,7 +87,14 @@ class EngineConfig:
             step (False = before dispatching it, the baseline; ``engine.structured``).
         seed: the engine seed for requests without their own.
         max_logprobs: most top logprobs a request may ask for.
-        token_buckets / request_buckets: step shapes compiled at start-up (None = derived).
+        token_buckets / request_buckets: the step shapes (None = derived).
+        precompile: "lazy" (the default) or "all" (``PRECOMPILE_MODES``): whether ``LLM()`` compiles
+            every step bucket and runs the start-up profiling (cost model, speculation step times)
+            before returning, or leaves each bucket to its first use and takes the profiles from
+            their disk caches, else fits them online from the real steps (and saves them).
+        compilation_cache: the persistent XLA compilation cache directory; None = the
+            ``DEEPINFER_COMPILATION_CACHE`` environment variable, else ``~/.cache/deepinfer_jax/xla``;
+            False or "off" = no cache (``deepinfer_jax.compile_cache``).
         enable_prefix_caching: reuse the KV blocks and SWA windows of earlier requests (engine.md §1).
         cache_salt: mixed into every block digest (separates tenants sharing a store).
         swa_snapshot_entries: SWA window snapshots kept in host memory (LRU).
@@ -150,6 +163,8 @@ class EngineConfig:
     speculation: str = "auto"
     num_speculative_tokens: int | None = None
     draft_vocab_size: int | None = None
+    precompile: str = "lazy"
+    compilation_cache: Any = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
@@ -165,6 +180,11 @@ class EngineConfig:
         if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
             raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
         _pos("replay_tokens", self.replay_tokens, optional=True)
+        if self.precompile not in PRECOMPILE_MODES:
+            raise ValueError(f"precompile must be one of {PRECOMPILE_MODES}, got {self.precompile!r}")
+        if not (self.compilation_cache is None or isinstance(self.compilation_cache, (bool, str, os.PathLike))):
+            raise ValueError(f"compilation_cache must be a directory path, False, 'off' or None, "
+                             f"got {self.compilation_cache!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
         _pos("num_speculative_tokens", self.num_speculative_tokens, optional=True)

@@ -80,6 +80,7 @@ class _InFlight:
     spec: object = None  # speculative decoding: what the step's plan assumed
     crossings: dict = field(default_factory=dict)  # verify chunk index -> window copy if it crossed a block
     started: float = 0.0  # when the step() that scheduled it began
+    compiled: bool = False  # a compilation ran while it was in flight: its time says nothing of the step
 
 
 class EngineCore:
@@ -198,6 +199,7 @@ class EngineCore:
         """One iteration; returns the requests that finished in it."""
         t0 = time.perf_counter()
         host0 = self.stats.reconcile_s + self.stats.wait_s
+        traces0 = getattr(self.runner, "traces", 0)
         plan = self.scheduler.schedule()
         prev = self._inflight if self.async_scheduling else None
         self._inflight = None
@@ -231,6 +233,8 @@ class EngineCore:
                 logprobs = any(c.request.logprobs is not None for c in plan.chunks)
                 fwd = self.runner.forward(specs, vplan.budget, draft, logprobs)
             launched = _InFlight(plan, None, time.perf_counter(), spec=planned, started=t0)
+            if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
+                prev.compiled = True
             prefix = self.scheduler.prefix
             if prefix is not None:  # window copies and block reads right behind the model step
                 self._take_snapshots(launched)
@@ -251,6 +255,10 @@ class EngineCore:
                         self._finish(r, "error", reason)
                         finished.append(r.to_output())
             launched.pending = self.runner.sample(fwd, mask)
+            if getattr(self.runner, "traces", 0) != traces0:
+                launched.compiled = True
+                if prev is not None:
+                    prev.compiled = True
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
         return self._close_step(plan, t0, host0, prev, launched, finished)
@@ -357,10 +365,10 @@ class EngineCore:
         if step.plan.predicted_ns is not None:
             self.stats.predicted_ns.append(step.plan.predicted_ns)
             self.stats.measured_ns.append(device_ns)
-        if self.cost_model is not None:
+        if self.cost_model is not None and not step.compiled:
             self.cost_model.observe(self._observed_shape(step), device_ns)
         if step.spec is not None:
-            self.spec.observe(step.plan.chunks, results, step.pending, step.spec, period_ns)
+            self.spec.observe(step.plan.chunks, results, step.pending, step.spec, None if step.compiled else period_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
         self._write_back([step.writeback] if step.writeback is not None else [])

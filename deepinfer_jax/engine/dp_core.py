@@ -137,6 +137,7 @@ class DPEngineCore(EngineCore):
         """One iteration over every rank; returns the requests that finished in it."""
         t0 = time.perf_counter()
         host0 = self.stats.reconcile_s + self.stats.wait_s
+        traces0 = getattr(self.runner, "traces", 0)
         plans = [s.schedule() for s in self.schedulers]
         prev = self._inflight if self.async_scheduling else None
         self._inflight = None
@@ -160,6 +161,8 @@ class DPEngineCore(EngineCore):
                 masks = self.structured.masks(height, [(m, at[i]) for m, i in rows])
             fwd = self.runner.forward(specs)
             launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
+            if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
+                prev.compiled = True
             if rows and masks is None:
                 masks, done = self._masks_beside_reconcile(
                     prev, lambda: self.structured.submit(fwd.rows, [(m, fwd.chunk_rows[i]) for m, i in rows]))
@@ -176,6 +179,10 @@ class DPEngineCore(EngineCore):
                         self._finish(r, "error", reason)
                         finished.append(r.to_output())
             launched.pending = self.runner.sample(fwd, mask)
+            if getattr(self.runner, "traces", 0) != traces0:
+                launched.compiled = True
+                if prev is not None:
+                    prev.compiled = True
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
             for d, p in enumerate(plans):

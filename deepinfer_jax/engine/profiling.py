@@ -39,6 +39,8 @@ def profile_cost_model(runner: ModelRunner, *, max_tokens: int, max_model_len: i
     cc = runner.cache_cfg
     steps = profile_grid(max_tokens, max_model_len, max_seqs)
     times = []
+    if progress is not None:
+        progress(0, len(steps))
     for n, shape in enumerate(steps):
         chunks = []
         for slot, (q, c) in enumerate(shape):

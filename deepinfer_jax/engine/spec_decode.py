@@ -115,9 +115,12 @@ class SpecDecoding:
     def observe(self, chunks: Sequence, results, pending, planned: _Planned, step_ns: float) -> None:
         """Take a reconciled step's verify rows and time back. ``step_ns``: the step's share of wall time
         (``EngineCore``: since the previous result, so host work the device did not hide counts: a
-        step that verifies more tokens also reconciles and detokenizes more)."""
+        step that verifies more tokens also reconciles and detokenizes more); None = a compilation ran
+        beside the step (a lazily compiled bucket), so its time is not recorded."""
         times, plain = self._tables(planned.search)
-        if planned.draft:
+        if step_ns is None:  # the step waited on a compilation: its time is not the step's
+            pass
+        elif planned.draft:
             times.observe(planned.tokens, step_ns)
         elif plain is not None:
             plain.observe(planned.tokens, step_ns)

@@ -62,29 +62,77 @@ class VerifyPolicy(Protocol):
 
 class StepTimes:
     """Measured device time (ns) of a step per token bucket: profiled values, then an exponential
-    moving average of the steps the engine runs (``observe``)."""
+    moving average of the steps the engine runs (``observe``).
 
-    def __init__(self, buckets: Sequence[int], times_ns: Sequence[float] | None = None, alpha: float = 0.1):
+    ``times_ns=None`` starts unmeasured (a lazily started engine without a profile on disk): the
+    first observation of a bucket becomes its time, and an unmeasured bucket is estimated from the
+    measured ones (``a + c * tokens`` through them, or proportional to one), else from ``fallback``
+    (the drafting table for the plain one: drafting looks free until measured, so the engine tries
+    it), else the bucket size (relative units: only ratios between buckets then matter).
+    """
+
+    def __init__(self, buckets: Sequence[int], times_ns: Sequence[float] | None = None, alpha: float = 0.1,
+                 measured: Sequence[bool] | None = None, fallback: StepTimes | None = None):
         self.buckets = tuple(int(b) for b in buckets)
         base = list(times_ns) if times_ns is not None else [float(b) for b in self.buckets]
         if len(base) != len(self.buckets) or any(not math.isfinite(t) or t <= 0 for t in base):
             raise ValueError(f"times_ns must be one positive time per bucket {self.buckets}, got {times_ns!r}")
         self.times = [float(t) for t in base]
+        if measured is None:
+            measured = [times_ns is not None] * len(self.buckets)
+        if len(measured) != len(self.buckets):
+            raise ValueError(f"measured must be one flag per bucket {self.buckets}, got {measured!r}")
+        self.measured = [bool(m) for m in measured]
         self.alpha = alpha
+        self.fallback = fallback
 
     def bucket_index(self, tokens: int) -> int | None:
         return next((i for i, b in enumerate(self.buckets) if b >= tokens), None)
 
     def time(self, tokens: int) -> float:
         i = self.bucket_index(tokens)
-        return math.inf if i is None else self.times[i]
+        if i is None:
+            return math.inf
+        if self.measured[i]:
+            return self.times[i]
+        return self._estimate(i)
+
+    def _estimate(self, i: int) -> float:
+        pts = [(b, t) for b, t, m in zip(self.buckets, self.times, self.measured) if m]
+        if not pts:
+            return self.fallback.time(self.buckets[i]) if self.fallback is not None else self.times[i]
+        b = self.buckets[i]
+        if len(pts) == 1:
+            return pts[0][1] * b / pts[0][0]
+        x, y = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+        slope = max(0.0, float(np.polyfit(x, y, 1)[0]))
+        return max(1.0, float(np.mean(y) + slope * (b - np.mean(x))))
 
     def observe(self, tokens: int, time_ns: float) -> None:
         """Move the bucket's time toward ``time_ns``; one sample counts at most twice the current
-        value (a step that waited on a compilation or another process must not hide the bucket)."""
+        value (a step that waited on a compilation or another process must not hide the bucket).
+        An unmeasured bucket takes its first sample as it is."""
         i = self.bucket_index(tokens)
-        if i is not None and time_ns > 0:
+        if i is None or time_ns <= 0:
+            return
+        if not self.measured[i]:
+            self.times[i], self.measured[i] = float(time_ns), True
+        else:
             self.times[i] += self.alpha * (min(time_ns, 2.0 * self.times[i]) - self.times[i])
+
+    @property
+    def fully_measured(self) -> bool:
+        return all(self.measured)
+
+    def to_json(self) -> dict:
+        return {"buckets": list(self.buckets), "times_ns": self.times, "measured": self.measured}
+
+    @classmethod
+    def from_json(cls, data: dict, buckets: Sequence[int], fallback: StepTimes | None = None) -> StepTimes:
+        """A table saved by ``to_json``; ``ValueError`` when it was saved for other buckets."""
+        if tuple(data["buckets"]) != tuple(buckets):
+            raise ValueError(f"step-time table for buckets {data['buckets']}, wanted {tuple(buckets)}")
+        return cls(buckets, data["times_ns"], measured=data["measured"], fallback=fallback)
 
 
 class AcceptanceStats:

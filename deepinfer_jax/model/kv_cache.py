@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_jax.config import LayerRole
 from deepinfer_jax.model import quant
@@ -39,16 +40,22 @@ def kv_source_layers(cfg) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.num_hidden_layers) if cfg.layer_role(i) is LayerRole.FULL)
 
 
+def filled(shape: tuple[int, ...], dtype, value=0) -> jax.Array:
+    """A device array of ``value`` made on the host: unlike ``jnp.zeros``, compiles no program (an
+    engine's start-up allocates dozens of differently shaped buffers)."""
+    return jnp.asarray(np.full(shape, value, dtype))
+
+
 def _empty(shape: tuple[int, ...], fmt: str, quantized: bool):
     """Zeroed storage for rows of ``shape`` (last axis = channels) in format ``fmt``."""
     if not quantized:
-        return jnp.zeros(shape, jnp.float32)
+        return filled(shape, jnp.float32)
     *lead, c = shape
     group = _CODECS[fmt][2]
     if fmt == "fp8":
-        return {"q": jnp.zeros(shape, jnp.float8_e4m3fn), "s": jnp.zeros((*lead, c // group), jnp.uint8)}
+        return {"q": filled(shape, jnp.float8_e4m3fn), "s": filled((*lead, c // group), jnp.uint8)}
     scale_dtype = jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8
-    return {"q": jnp.zeros((*lead, c // 2), jnp.uint8), "s": jnp.zeros((*lead, c // group), scale_dtype)}
+    return {"q": filled((*lead, c // 2), jnp.uint8), "s": filled((*lead, c // group), scale_dtype)}
 
 
 def encode(x: jax.Array, fmt: str, quantized: bool):
@@ -90,10 +97,10 @@ def init_cache(cfg, cache_cfg) -> dict:
                        "index": _empty((nb, bs // r, cfg.index_head_dim), "mxfp4", qz)}
         if r > 1:
             cc = cache_cfg.comp_capacity(r)
-            comp[layer] = {"v": jnp.zeros((slots, cc, cfg.head_dim), jnp.float32),
-                           "g": jnp.zeros((slots, cc, cfg.head_dim), jnp.float32)}
+            comp[layer] = {"v": filled((slots, cc, cfg.head_dim), jnp.float32),
+                           "g": filled((slots, cc, cfg.head_dim), jnp.float32)}
     cache = {"global": glob, "comp": comp,
              "swa": _empty((cfg.num_hidden_layers, slots, cap, cfg.head_dim), "fp8", qz)}
     if cfg.engram_layer_ids:
-        cache["engram"] = jnp.full((slots, cache_cfg.engram_capacity(cfg)), -1, jnp.int32)
+        cache["engram"] = filled((slots, cache_cfg.engram_capacity(cfg)), jnp.int32, -1)
     return cache

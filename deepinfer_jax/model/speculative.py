@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.model import dspark
+from deepinfer_jax.model.kv_cache import filled
 from deepinfer_jax.model.paged import Captured, StepInputs
 from deepinfer_jax.model.sampler import _filter, apply_bitmask, row_key, sample_tokens, search_flags
 
@@ -64,11 +65,11 @@ class SpecState(NamedTuple):
 def init_spec_state(cfg, slots: int, ring_rows: int, draft_vocab: int | None = None) -> SpecState:
     """An empty state; ``draft_vocab``: columns of the draft vocabulary (None = the whole vocabulary)."""
     k, v, d = cfg.dspark_block_size, draft_vocab or cfg.vocab_size, cfg.hidden_size
-    return SpecState(length=jnp.zeros(slots, jnp.int32), ctx_from=jnp.zeros(slots, jnp.int32),
-                     feat=jnp.zeros((slots, ring_rows, d), jnp.float32),
-                     feat_pos=jnp.full((slots, ring_rows), -1, jnp.int32),
-                     drafts=jnp.zeros((slots, k), jnp.int32), conf=jnp.zeros((slots, k), jnp.float32),
-                     draft_logits=jnp.zeros((slots, k, v), jnp.float32))
+    return SpecState(length=filled((slots,), jnp.int32), ctx_from=filled((slots,), jnp.int32),
+                     feat=filled((slots, ring_rows, d), jnp.float32),
+                     feat_pos=filled((slots, ring_rows), jnp.int32, -1),
+                     drafts=filled((slots, k), jnp.int32), conf=filled((slots, k), jnp.float32),
+                     draft_logits=filled((slots, k, v), jnp.float32))
 
 
 class SpecRows(NamedTuple):

@@ -252,6 +252,8 @@ class DPRunner:
         shapes = self.buckets.shapes()
         if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
             self.set_placement(self.placement)
+        if progress is not None:
+            progress(0, len(shapes))
         for i, shape in enumerate(shapes):
             self.sample(self._forward([[]] * self.dp_size, *shape)).result()
             if progress is not None:

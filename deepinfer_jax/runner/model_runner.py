@@ -183,6 +183,8 @@ class ModelRunner:
             self.write_blocks([0], self.block_payloads(self.read_blocks([0])))
         if sampling and self.decoder_replay:  # every decoder-token bucket that fits each token bucket
             shapes = [(n, r, b, d) for n, r, b in shapes for d in self.buckets.tokens if d <= n]
+        if progress is not None:
+            progress(0, len(shapes))
         for i, (n, r, b, *d) in enumerate(shapes):
             if sampling:
                 self._launch([], n, r, b, *d).result()

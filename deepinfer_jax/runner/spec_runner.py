@@ -149,6 +149,8 @@ class SpecRunner(ModelRunner):
         shapes = self.buckets.shapes()
         if self.decoder_replay:
             shapes = [(n, r, b, d) for n, r, b in shapes for d in self.buckets.tokens if d <= n]
+        if progress is not None:
+            progress(0, len(shapes))
         for i, (n, r, b, *d) in enumerate(shapes):
             self.sample(self._dispatch([], 0, True, n, r, b, *d)).result()
             if progress is not None:

@@ -34,7 +34,7 @@ from deepinfer_jax.sharding import ShardingError, ShardingPreset, resolve_preset
 #: Per-rank engine settings; one bucket of each kind keeps compile time down.
 SETTINGS = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "token_buckets": (32,), "request_buckets": (4,),
             "block_size": 16, "max_model_len": 64, "chunking": "tokens", "enable_prefix_caching": False,
-            "max_logprobs": 2, "use_tqdm": False}
+            "max_logprobs": 2, "use_tqdm": False, "precompile": "all"}
 NUM_REQUESTS = 11
 EPLB_PRESET = "cpu-dp2-ep4"  # also run with EPLB rebalances forced mid-run (``eplb_rows``)
 

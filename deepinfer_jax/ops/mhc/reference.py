@@ -16,13 +16,19 @@ from deepinfer_jax.model.layers import matmul_t, row_mean
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
-    """Row softmax (+eps), a column normalisation, then ``iters - 1`` rounds of row then column."""
+    """Row softmax (+eps), a column normalisation, then ``iters - 1`` rounds of row then column.
+
+    The rounds run as one ``fori_loop`` body: unrolled, 20 rounds at every mHC site were most of a
+    step's compiled program (a 12-layer step's optimized HLO shrank 5x and its compile time 2x).
+    """
     x = jax.nn.softmax(logits, axis=-1) + eps
     x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def round_(_, x):
         x = x / (jnp.sum(x, axis=-1, keepdims=True) + eps)
-        x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
-    return x
+        return x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, round_, x) if iters > 1 else x
 
 
 def site_scales(scale: jax.Array, n: int) -> jax.Array:
