@@ -360,7 +360,8 @@ class LLM:
 
     @property
     def stats(self) -> dict:
-        """Engine counters, and the cost model's mean relative prediction error."""
+        """Engine counters, the cost model's mean relative prediction error, and ``prefix``: the prefix
+        cache's hits, blocks reused per tier and miss reasons (``_prefix_stats``)."""
         s = self.engine.stats
         cm = self.engine.cost_model
         return {"steps": s.steps, "scheduled_tokens": s.scheduled_tokens, "generated_tokens": s.generated_tokens,
@@ -370,7 +371,21 @@ class LLM:
                 "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
                 "speculation": self.speculation,
                 **(self.engine.spec.summary() if getattr(self.engine, "spec", None) is not None else {}),
-                **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {})}
+                **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {}),
+                "prefix": self._prefix_stats()}
+
+    def _prefix_stats(self) -> dict | None:
+        """``PrefixCache.stats()`` summed over the schedulers (None without prefix caching): hits, blocks
+        reused per tier, and why requests missed (``engine/prefix_cache.py``)."""
+        scheds = getattr(self.engine, "schedulers", None) or [self.engine.scheduler]
+        parts = [s.prefix.stats() for s in scheds if s.prefix is not None]
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            for k, v in p.items():
+                out[k] = {n: out[k][n] + c for n, c in v.items()} if isinstance(v, dict) else out[k] + v
+        return out
 
     def _dp_stats(self) -> dict:
         """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding; with the EP MoE the
