@@ -342,6 +342,21 @@ class LLM:
         return chat_stream(self, request, protocol)
 
     @property
+    def conversion_options(self):
+        """The ``recipe.ConversionOptions`` ``chat`` converts with: the official defaults, except
+        ``default_thinking_mode`` from the engine setting of that name. Assignable."""
+        if getattr(self, "_conversion_options", None) is None:
+            from deepinfer_jax import recipe
+
+            self._conversion_options = recipe.ConversionOptions(
+                default_thinking_mode=self.engine_config.default_thinking_mode)
+        return self._conversion_options
+
+    @conversion_options.setter
+    def conversion_options(self, options) -> None:
+        self._conversion_options = options
+
+    @property
     def prompt_tokenizer(self):
         """The recipe's prompt encoder: the checkpoint's tokenizer.json, else the V4.1-compatible one."""
         if self._prompt_tokenizer is None:
