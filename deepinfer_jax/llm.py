@@ -276,12 +276,16 @@ class LLM:
         list mixing them). Every request is validated before any runs; a ``RequestError`` names the
         bad field and the prompt's index.
         """
-        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        items = self._prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:
+            if isinstance(sampling_params, dict) or not isinstance(sampling_params, Sequence):
+                raise RequestError("sampling_params", f"must be a SamplingParams or a list of them (one per prompt), "
+                                                      f"got {type(sampling_params).__name__}; for a dict of settings "
+                                                      "use SamplingParams(**settings)")
             params = list(sampling_params)
             if len(params) != len(items):
                 raise RequestError("sampling_params", f"{len(params)} given for {len(items)} prompts")
@@ -306,6 +310,15 @@ class LLM:
         for rid in rids:
             self.engine.requests.pop(rid, None)
         return [done[rid] for rid in rids]
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise RequestError("prompts", f"must be a string, a {{'prompt_token_ids': [...]}} dict or a list of them, "
+                                          f"got {type(prompts).__name__}")
+        return list(prompts)
 
     def _prompt(self, item) -> tuple[str | None, list[int]]:
         if isinstance(item, str):
