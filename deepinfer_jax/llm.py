@@ -282,7 +282,7 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:
-            if isinstance(sampling_params, dict) or not isinstance(sampling_params, Sequence):
+            if isinstance(sampling_params, dict) or not hasattr(sampling_params, "__iter__"):
                 raise RequestError("sampling_params", f"must be a SamplingParams or a list of them (one per prompt), "
                                                       f"got {type(sampling_params).__name__}; for a dict of settings "
                                                       "use SamplingParams(**settings)")
@@ -315,7 +315,7 @@ class LLM:
     def _prompt_list(prompts) -> list:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        if prompts is None or isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
             raise RequestError("prompts", f"must be a string, a {{'prompt_token_ids': [...]}} dict or a list of them, "
                                           f"got {type(prompts).__name__}")
         return list(prompts)
