@@ -1,14 +1,26 @@
 """``LLM.chat`` / ``LLM.chat_stream``: protocol requests through the recipe layer and the engine.
 
-conversion (``recipe.convert_request``) -> rendering and encoding (special tokens only at template
-positions) -> generation with the converted sampling settings -> the streaming parser
-(``recipe.stream``), which turns generated ids into the protocol's stream events and, accumulated,
-its final response JSON. Stop sequences are enforced by both the engine (generation ends) and
-the parser (the text is cut where the official library cuts it).
+conversion (``recipe.convert_request`` with ``LLM.conversion_options``) -> rendering and encoding
+(special tokens only at template positions) -> generation with the converted sampling settings ->
+the streaming parser (``recipe.stream``), which turns generated ids into the protocol's stream
+events and, accumulated, its final response JSON. Stop sequences are enforced by both the engine
+(generation ends) and the parser (the text is cut where the official library cuts it).
 
-The recipe's ``output_constraint`` (``response_format`` json_object / json_schema / regex, active
-tools, a required tool call) is enforced as the request's ``structured_output`` grammar
-(``chat_grammar``). Not wired: logprobs in responses.
+Thinking mode is on for requests that do not say (``EngineConfig.default_thinking_mode``, the
+official default). The recipe's ``output_constraint`` (``response_format`` json_object /
+json_schema / regex, active tools, a required tool call) is enforced as the request's
+``structured_output`` grammar (``chat_grammar``); a json_schema format is enforced with the schema
+the user gave (the one the prompt shows the model), not the recipe's normalised copy, which drops
+keywords such as ``maxLength``.
+
+Refused here with a ``recipe.ConversionError`` (400) naming the field in ``param``, although the
+official conversion accepts them: ``tool_choice`` "required" / a named tool / Messages ``any`` or
+``tool`` without any tool (the official library silently answers as ``auto``), and ``logprobs`` /
+``top_logprobs`` (``LLM.chat`` does not return logprobs; ``LLM.generate`` does).
+
+A thinking-mode request whose output ends with ``finish_reason`` "length" before the reasoning
+ended (so no content or tool call was generated) gets a ``warning`` object in its response (and on
+the final stream event): ``{"code": "reasoning_budget_exhausted", "message": ...}``.
 """
 
 from __future__ import annotations
@@ -41,14 +53,45 @@ def _body(request: Any) -> dict:
     return request if isinstance(request, dict) else {}
 
 
+def _forced_tool_choice(body: dict, protocol: str) -> bool:
+    """Whether the raw request forces a tool call (required, any, or a named tool)."""
+    choice = body.get("tool_choice")
+    if protocol == "messages":
+        return isinstance(choice, dict) and choice.get("type") in ("any", "tool")
+    return choice == "required" or isinstance(choice, dict)
+
+
+def _check_supported(req, body: dict, protocol: str) -> None:
+    """The requests ``LLM.chat`` refuses although the official conversion accepts them."""
+    if _forced_tool_choice(body, protocol) and not req.conversation.tools:
+        raise recipe.ConversionError("tool_choice: a required or named tool choice needs at least one tool in "
+                                     "'tools'", param="tool_choice")
+    io = req.inference_options
+    if io.logprobs or io.top_logprobs:
+        field = "logprobs" if io.logprobs else "top_logprobs"
+        raise recipe.ConversionError(f"{field}: LLM.chat does not return logprobs; use LLM.generate with "
+                                     "SamplingParams(logprobs=k)", param=field)
+
+
+def _grammar_constraint(req):
+    """The output constraint to enforce: a json_schema format's schema as the user gave it."""
+    constraint = req.inference_options.output_constraint
+    conv = req.conversation
+    if constraint is not None and constraint.kind == "json" and conv.response_format == "json_schema":
+        return recipe.OutputConstraint("json", json.dumps(conv.response_schema))
+    return constraint
+
+
 def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], SamplingParams, StreamOptions]:
-    req = recipe.convert_request(request, protocol)
+    req = recipe.convert_request(request, protocol, llm.conversion_options)
+    body = _body(request)
+    _check_supported(req, body, protocol)
     tokenizer = llm.prompt_tokenizer
     ids = recipe.encode_rendered(recipe.render(req.conversation, req.model_version), tokenizer)
     max_tokens = req.resolve_max_tokens(len(ids), llm.max_model_len)  # ConversionError past the context
     io, po = req.inference_options, req.parsing_options
     stage = None if po.thinking_initial_stage is None else po.thinking_initial_stage.name.lower()
-    constraint = structured_output_for(io.output_constraint, stage in ("reasoning_start", "reasoning_continuation"),
+    constraint = structured_output_for(_grammar_constraint(req), stage in ("reasoning_start", "reasoning_continuation"),
                                        llm.tokenizer, v41=req.model_version.is_v41)
     params = SamplingParams(temperature=1.0 if io.temperature is None else float(io.temperature),
                             top_p=1.0 if io.top_p is None else float(io.top_p), max_tokens=max_tokens,
@@ -56,7 +99,6 @@ def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], Sampling
     parse = ParseOptions(parse_tool_calls=po.parse_tool_calls, starts_in_tool_calls=po.starts_in_tool_calls,
                          parse_json_output=po.parse_json_output, thinking_stage=stage,
                          stop_sequences=tuple(po.stop_sequences))
-    body = _body(request)
     options = StreamOptions(protocol=protocol, parse=parse, response_id=_ID_PREFIX[protocol] + uuid.uuid4().hex,
                             model=req.model or "DeepSeek-V4.1-Flash", created=int(time.time()),
                             responses_echo=responses_echo(body) if protocol == "responses" else None,
@@ -64,6 +106,18 @@ def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], Sampling
                             chat_include_usage=protocol == "chat" and (
                                 not req.stream or bool((body.get("stream_options") or {}).get("include_usage"))))
     return ids, params, options
+
+
+def _budget_warning(llm: LLM, params: SamplingParams, options: StreamOptions, token_ids, finish: str | None):
+    """The ``warning`` of a thinking-mode output that hit ``max_tokens`` inside its reasoning."""
+    if finish != "length" or options.parse.thinking_stage not in ("reasoning_start", "reasoning_continuation"):
+        return None
+    if llm.tokenizer.token_to_id("</think>") in token_ids:
+        return None
+    return {"code": "reasoning_budget_exhausted",
+            "message": f"max_tokens ({params.max_tokens}) ran out while the model was still reasoning, so no content "
+                       "or tool call was generated; raise max_tokens, lower the reasoning effort, or turn thinking "
+                       'off (thinking: {"type": "disabled"} in the request, or LLM(default_thinking_mode=False))'}
 
 
 def chat_stream(llm: LLM, request: Any, protocol: str = "chat") -> Iterator[StreamEvent]:
@@ -88,7 +142,12 @@ def chat_stream(llm: LLM, request: Any, protocol: str = "chat") -> Iterator[Stre
             if parser.finished and not req.finished:  # the parser saw a stop sequence
                 engine.abort(rid)
         if not parser.finished:
-            yield from parser.finish("length" if req.finish_reason == "length" else "stop")
+            finish = "length" if req.finish_reason == "length" else "stop"
+            events = parser.finish(finish)
+            warning = _budget_warning(llm, params, options, req.output_ids, finish)
+            if warning is not None and events:
+                events[-1] = StreamEvent({**events[-1].data, "warning": warning}, events[-1].event)
+            yield from events
     finally:
         if not req.finished:
             engine.abort(rid)
@@ -108,6 +167,12 @@ def chat(llm: LLM, request: Any, protocol: str = "chat") -> dict:
         if parser.finished:
             break
         parser.push_ids([token])
+    finish = None
     if not parser.finished:
-        parser.finish("length" if out.finish_reason == "length" else "stop")
-    return parser.response()
+        finish = "length" if out.finish_reason == "length" else "stop"
+        parser.finish(finish)
+    resp = parser.response()
+    warning = _budget_warning(llm, params, options, out.token_ids, finish)
+    if warning is not None:
+        resp["warning"] = warning
+    return resp

@@ -14,10 +14,11 @@ the ``</think>`` special token, and the constraint applies after it. The grammar
 llguidance's dialect, where ``<[id]>`` is a special token by id and ``%json {...}`` an inline JSON
 Schema; ``｜DSML｜`` and ``</think>`` are only ever allowed as those special ids, never as text.
 
-What is enforced is the format: tool names, parameter names, the ``string="true|false"`` flag
-(``true`` exactly for string-typed parameters), each non-string value as JSON of its schema, and a
-string value's ``enum`` or ``maxLength`` (other string values are free text without ``</``).
-Not enforced: required parameters being present, each parameter at most once, parameter order.
+What is enforced: tool names, parameter names, the ``string="true|false"`` flag (``true`` exactly
+for string-typed parameters), each non-string value as JSON of its schema, a string value's
+``enum`` or ``maxLength`` (other string values are free text without ``</``), every ``required``
+parameter present, each parameter at most once, in the schema's property order (the order the
+prompt lists them). Not enforced: other string keywords (``pattern``, ``minLength``, ...).
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ def _tools_grammar(tools: list[dict], dsml: int, v41: bool) -> list[str]:
     alternatives = []
     for n, tool in enumerate(tools):
         fn = tool.get("function", tool)
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        params = []
+        schema_n = fn.get("parameters") or {}
+        props = schema_n.get("properties") or {}
+        required = set(schema_n.get("required") or ()) & set(props)
+        seq = []
         for k, (key, schema) in enumerate(props.items()):
             is_str = isinstance(schema, dict) and schema.get("type") == "string"
             tag = _lark_str(f'{param} name="{key}" string="{str(is_str).lower()}">')
@@ -67,10 +70,12 @@ def _tools_grammar(tools: list[dict], dsml: int, v41: bool) -> list[str]:
             else:
                 rules.append(f"v{n}_{k}: {_json_rule(schema if isinstance(schema, dict) else {})}")
                 value = f'v{n}_{k} "</"'
-            params.append(f'"\\n<" {d} {tag} {value} {d} {_lark_str(param + ">")}')
-        if params:
-            rules.append(f"p{n}: " + " | ".join(params))
-            body = f"p{n}+"
+            rules.append(f'p{n}_{k}: "\\n<" {d} {tag} {value} {d} {_lark_str(param + ">")}')
+            seq.append(f"p{n}_{k}" if key in required else f"p{n}_{k}?")  # schema order, each at most once
+        if required:
+            body = " ".join(seq)
+        elif seq:  # all optional: some of them, or none (V4.1 then leaves a blank line)
+            body = f'({" ".join(seq)} | "\\n")' if v41 else " ".join(seq)
         else:  # V4.1 leaves a blank line in an invoke without parameters
             body = '"\\n"' if v41 else ""
         tag = _lark_str(f'{invoke} name="{fn["name"]}">')

@@ -348,12 +348,16 @@ class LLM:
         list mixing them). Every request is validated before any runs; a ``RequestError`` names the
         bad field and the prompt's index.
         """
-        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        items = self._prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:
+            if isinstance(sampling_params, dict) or not hasattr(sampling_params, "__iter__"):
+                raise RequestError("sampling_params", f"must be a SamplingParams or a list of them (one per prompt), "
+                                                      f"got {type(sampling_params).__name__}; for a dict of settings "
+                                                      "use SamplingParams(**settings)")
             params = list(sampling_params)
             if len(params) != len(items):
                 raise RequestError("sampling_params", f"{len(params)} given for {len(items)} prompts")
@@ -380,6 +384,15 @@ class LLM:
         if self._online_saves:
             self._save_online_profiles()
         return [done[rid] for rid in rids]
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts is None or isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+            raise RequestError("prompts", f"must be a string, a {{'prompt_token_ids': [...]}} dict or a list of them, "
+                                          f"got {type(prompts).__name__}")
+        return list(prompts)
 
     def _prompt(self, item) -> tuple[str | None, list[int]]:
         if isinstance(item, str):
@@ -416,6 +429,21 @@ class LLM:
         return chat_stream(self, request, protocol)
 
     @property
+    def conversion_options(self):
+        """The ``recipe.ConversionOptions`` ``chat`` converts with: the official defaults, except
+        ``default_thinking_mode`` from the engine setting of that name. Assignable."""
+        if getattr(self, "_conversion_options", None) is None:
+            from deepinfer_jax import recipe
+
+            self._conversion_options = recipe.ConversionOptions(
+                default_thinking_mode=self.engine_config.default_thinking_mode)
+        return self._conversion_options
+
+    @conversion_options.setter
+    def conversion_options(self, options) -> None:
+        self._conversion_options = options
+
+    @property
     def prompt_tokenizer(self):
         """The recipe's prompt encoder: the checkpoint's tokenizer.json, else the V4.1-compatible one."""
         if self._prompt_tokenizer is None:
@@ -434,7 +462,8 @@ class LLM:
 
     @property
     def stats(self) -> dict:
-        """Engine counters, and the cost model's mean relative prediction error."""
+        """Engine counters, the cost model's mean relative prediction error, and ``prefix``: the prefix
+        cache's hits, blocks reused per tier and miss reasons (``_prefix_stats``)."""
         s = self.engine.stats
         cm = self.engine.cost_model
         return {"steps": s.steps, "scheduled_tokens": s.scheduled_tokens, "generated_tokens": s.generated_tokens,
@@ -444,7 +473,21 @@ class LLM:
                 "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
                 "speculation": self.speculation,
                 **(self.engine.spec.summary() if getattr(self.engine, "spec", None) is not None else {}),
-                **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {})}
+                **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {}),
+                "prefix": self._prefix_stats()}
+
+    def _prefix_stats(self) -> dict | None:
+        """``PrefixCache.stats()`` summed over the schedulers (None without prefix caching): hits, blocks
+        reused per tier, and why requests missed (``engine/prefix_cache.py``)."""
+        scheds = getattr(self.engine, "schedulers", None) or [self.engine.scheduler]
+        parts = [s.prefix.stats() for s in scheds if s.prefix is not None]
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            for k, v in p.items():
+                out[k] = {n: out[k][n] + c for n, c in v.items()} if isinstance(v, dict) else out[k] + v
+        return out
 
     def _dp_stats(self) -> dict:
         """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding; with the EP MoE the

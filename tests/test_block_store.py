@@ -33,7 +33,9 @@ def test_file_round_trip_and_misses(tmp_path, caplog):
     store.put(d, payload(0))
     assert d in store and same(store.get(d), payload(0))
     assert same(FileBlockStore(tmp_path, FP).get(d), payload(0))  # another engine / a restart
-    assert FileBlockStore(tmp_path, bytes(32)).get(d) is None  # another model: a miss
+    assert FileBlockStore(tmp_path, bytes(32)).get(d) is None  # another model: a miss (and quarantined)
+    assert d not in store
+    store.put(d, payload(0))
     path = store._path(d)
     data = path.read_bytes()
     for damaged in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 1]),
@@ -76,3 +78,84 @@ def test_host_tier_is_lru_bounded_by_bytes():
         host.put(bytes([i]) * 32, payload(i))
     assert len(host) == 2 and bytes([0]) * 32 not in host and host.nbytes == 2 * size
     assert same(host.get(bytes([2]) * 32), payload(2))
+
+
+def test_a_block_that_failed_verification_is_quarantined_and_rewritten(tmp_path):
+    store = FileBlockStore(tmp_path, FP)
+    digests = [bytes([i]) * 32 for i in range(20)]
+    for i, d in enumerate(digests):
+        store.put(d, payload(i))
+        path = store._path(d)
+        data = path.read_bytes()
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # a flipped checksum bit
+    assert all(store.get(d) is None for d in digests)  # misses ...
+    assert store.misses_corrupt == 20 and store.quarantined == 20
+    assert len(list((store.root / "quarantine").iterdir())) == 20
+    for i, d in enumerate(digests):  # ... recomputed and written back: the store heals
+        store.put(d, payload(i))
+    assert all(same(store.get(d), payload(i)) for i, d in enumerate(digests))
+    assert store.misses_corrupt == 20
+
+
+class _Req:
+    """The fields of ``engine.Request`` that ``PrefixCache.match`` reads."""
+
+    def __init__(self, ids):
+        self.prompt_ids, self.output_ids, self.digests = list(ids), [], []
+
+    @property
+    def num_tokens(self):
+        return len(self.prompt_ids)
+
+    def known_tokens(self, start, stop):
+        return self.prompt_ids[start:stop]
+
+
+def _prefix(tmp_path, host=True, files=True):
+    from deepinfer_jax.cache import BlockPool
+    from deepinfer_jax.engine.prefix_cache import PrefixCache
+
+    return PrefixCache(BlockPool(16), 4, 4, b"extra", host=HostBlockStore() if host else None,
+                       files=FileBlockStore(tmp_path, FP) if files else None, encoder_replay=True)
+
+
+def test_prefix_stats_count_tier_hits_and_miss_reasons(tmp_path):
+    ids = list(range(100, 120))  # 5 blocks of 4; at most 4 reusable (ring rows 4)
+    pc = _prefix(tmp_path)
+    r = _Req(ids)
+    pc.match(r)
+    pc.record_admitted()
+    assert pc.stats()["miss_reasons"]["no_cached_blocks"] == 1 and pc.stats()["hits"] == 0
+    d = pc.digests(r)
+    blocks = pc.pool.allocate(1)
+    pc.pool.register(blocks[0], d[0])  # block 0 on the device
+    pc.host.put(d[1], payload(1))  # block 1 in host memory
+    pc.files.put(d[2], payload(2))  # blocks 2 and 3 on disk
+    pc.files.put(d[3], payload(3))
+    pc.prefetch(d[:3])  # the background prefetch brings block 2 into host memory: still a file hit
+    decision, cached, uploads = pc.match(_Req(ids))
+    pc.record_admitted()
+    assert decision.length == 16 and len(cached) == 1 and len(uploads) == 3
+    s = pc.stats()
+    assert s["tier_hits"] == {"device": 1, "host": 1, "file": 2} and s["hits"] == 1 and s["hit_tokens"] == 16
+    pc.match(_Req(ids[:5]))  # one full block before the window: nothing usable
+    pc.record_admitted()
+    assert pc.stats()["miss_reasons"]["prompt_too_short"] == 1
+
+
+def test_prefix_miss_reasons_corrupt_block_and_missing_window(tmp_path):
+    ids = list(range(200, 220))
+    pc = _prefix(tmp_path)
+    d = pc.digests(_Req(ids))
+    pc.files.put(d[0], payload(0))
+    path = pc.files._path(d[0])
+    path.write_bytes(path.read_bytes()[:-3])
+    pc.prefetch(d)  # the background prefetch meets the damaged file first
+    pc.match(_Req(ids))
+    pc.record_admitted()
+    assert pc.stats()["miss_reasons"]["corrupt_block"] == 1 and pc.stats()["quarantined_files"] == 1
+    pc.encoder_replay = False  # a restarted engine: blocks on disk, windows gone
+    pc.files.put(d[0], payload(0))
+    pc.match(_Req(ids))
+    pc.record_admitted()
+    assert pc.stats()["miss_reasons"]["no_swa_window"] == 1 and pc.stats()["tier_hits"]["file"] == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from deepinfer_jax import LLM, recipe
@@ -72,3 +73,67 @@ def test_bad_request_is_a_400_before_anything_runs(llm):
     with pytest.raises(recipe.ConversionError):
         llm.chat({**REQUESTS["chat"], "max_tokens": 10_000}, "chat")  # past the context
     assert llm.engine.stats.steps == steps
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
+
+
+def test_thinking_default_is_the_engine_setting(llm):
+    assert llm.engine_config.default_thinking_mode is True  # the official default, documented in the README
+    assert llm.conversion_options.default_thinking_mode is True
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": ASK, "tools": WEATHER, "tool_choice": "required",
+            "max_tokens": 60, "temperature": 0}
+    with pytest.raises(recipe.ConversionError, match="Thinking mode does not support"):
+        llm.chat(body)
+    before = llm.conversion_options
+    llm.conversion_options = recipe.ConversionOptions(default_thinking_mode=False)
+    try:
+        resp = llm.chat(body)
+    finally:
+        llm.conversion_options = before
+    calls = resp["choices"][0]["message"]["tool_calls"]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER[0]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_schema_output_satisfies_the_users_schema(llm, seed):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    resp = llm.chat({"model": "DeepSeek-V4.1-Flash", "messages": ASK, "max_tokens": 40, "seed": seed,
+                     "temperature": 1.0, "thinking": {"type": "disabled"},
+                     "response_format": {"type": "json_schema",
+                                         "json_schema": {"name": "x", "schema": schema, "strict": True}}})
+    choice = resp["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_reasoning_budget_exhausted_is_reported(llm):
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": ASK, "max_tokens": 3, "seed": 0,
+            "response_format": {"type": "json_object"}}  # thinking on by default
+    resp = llm.chat(body)
+    assert resp["choices"][0]["finish_reason"] == "length" and not resp["choices"][0]["message"].get("content")
+    assert resp["warning"]["code"] == "reasoning_budget_exhausted" and "max_tokens (3)" in resp["warning"]["message"]
+    events = list(llm.chat_stream({**body, "stream": True}))
+    assert [e for e in events if "warning" in e.data][-1].data["warning"]["code"] == "reasoning_budget_exhausted"
+    ok = llm.chat({**body, "max_tokens": 12, "thinking": {"type": "disabled"}})
+    assert "warning" not in ok
+
+
+def test_chat_refuses_what_it_would_silently_ignore(llm):
+    base = {"model": "DeepSeek-V4.1-Flash", "messages": ASK, "thinking": {"type": "disabled"}, "max_tokens": 4}
+    with pytest.raises(recipe.ConversionError) as e:
+        llm.chat({**base, "tool_choice": "required"})
+    assert e.value.param == "tool_choice" and "tool_choice" in e.value.message
+    with pytest.raises(recipe.ConversionError) as e:
+        llm.chat({**base, "logprobs": True})
+    assert e.value.param == "logprobs"
+    with pytest.raises(recipe.ConversionError) as e:
+        llm.chat({"model": "DeepSeek-V4.1-Flash", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}},
+                 "messages")
+    assert e.value.param == "tool_choice"

@@ -270,6 +270,9 @@ def test_restarted_engine_hits_the_block_store(params, tmp_path):
     again = _run(restarted, [prompt], sp)[0]
     assert again.num_cached_tokens == 48 and len(again.outputs[0].token_ids) == 5
     assert first.num_cached_tokens == 0
+    assert writer.stats["prefix"]["miss_reasons"]["no_cached_blocks"] == 1
+    assert restarted.stats["prefix"]["tier_hits"] == {"device": 0, "host": 0, "file": 3}
+    assert restarted.stats["prefix"]["hits"] == 1 and restarted.stats["prefix"]["hit_tokens"] == 48
     (tmp_path / "blocker").write_text("a file where the store's directory should be")
     bad = str(tmp_path / "blocker" / "store")
     with pytest.raises(StoreError, match="not writable"):

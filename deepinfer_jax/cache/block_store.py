@@ -13,7 +13,9 @@ local disk or a shared mount (a 3FS FUSE mount is plain files):
 Writes go to a temporary file in the same directory and are renamed into place (atomic), so
 several engines writing one store never leave a torn file; the same digest always carries the
 same contents, so concurrent writers of one block are harmless. A file that is truncated,
-corrupted, from another model, or of another version is a miss (logged), never wrong output.
+corrupted, from another model, or of another version is a miss (logged), never wrong output, and
+is moved to ``<root>/v1/quarantine/`` at once, so the next write of that block (the engine
+recomputes and writes it back) heals the store. ``put`` skips a block whose file exists.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ class FileBlockStore:
     def __init__(self, root: str | os.PathLike, fingerprint: bytes) -> None:
         self.root = Path(root) / f"v{_VERSION}"
         self.fingerprint = fingerprint.hex()
-        self.misses_corrupt = 0
+        self.misses_corrupt = 0  # reads that failed verification
+        self.quarantined = 0  # of those, files moved out of the way (the next put rewrites them)
+        self._failed: set[bytes] = set()  # digests whose file failed verification and was not rewritten since
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe = tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe-", delete=True)
@@ -106,7 +110,12 @@ class FileBlockStore:
     def __contains__(self, digest: bytes) -> bool:
         return self._path(digest).is_file()
 
+    def failed(self, digest: bytes) -> bool:
+        """Whether this block's file failed verification here and has not been rewritten since."""
+        return digest in self._failed
+
     def put(self, digest: bytes, payload: dict[str, np.ndarray]) -> None:
+        self._failed.discard(digest)
         path = self._path(digest)
         if path.is_file():
             return
@@ -140,8 +149,24 @@ class FileBlockStore:
             return self._decode(data, digest)
         except (ValueError, KeyError, TypeError) as e:
             self.misses_corrupt += 1
-            log.warning("block store: %s is unusable (%s); treated as a miss", path, e)
+            if len(self._failed) < 1 << 16:
+                self._failed.add(digest)
+            log.warning("block store: %s is unusable (%s); treated as a miss and quarantined", path, e)
+            self._quarantine(path)
             return None
+
+    def _quarantine(self, path: Path) -> None:
+        """Move a file that failed verification to ``quarantine/`` (a unique name; another engine may
+        quarantine or rewrite the same block meanwhile, which is harmless)."""
+        qdir = self.root / "quarantine"
+        try:
+            qdir.mkdir(exist_ok=True)
+            fd, dest = tempfile.mkstemp(dir=qdir, prefix=path.stem + ".")
+            os.close(fd)
+            os.replace(path, dest)
+            self.quarantined += 1
+        except OSError as e:  # gone already, or a read-only mount: the miss stands
+            log.warning("block store: could not quarantine %s: %s", path, e)
 
     def _decode(self, data: bytes, digest: bytes) -> dict[str, np.ndarray]:
         if len(data) < len(_MAGIC) + 4 + 32 or not data.startswith(_MAGIC):

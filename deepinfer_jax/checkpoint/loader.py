@@ -257,7 +257,24 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: checkpoint directory has no config.json")
-    return ModelConfig.from_hf_config(json.loads(file.read_text(encoding="utf-8")))
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: config.json is not valid JSON: {e}") from None
+    return ModelConfig.from_hf_config(raw)
+
+
+def _check_weights_present(path: str | os.PathLike) -> None:
+    """A directory without a backbone weights file is a ``FileNotFoundError`` saying so (rather than a
+    ``CheckpointError`` listing every tensor as missing); ``drafter.safetensors`` alone does not count."""
+    d = Path(path)
+    if not d.is_dir() or (d / "model.safetensors.index.json").is_file():
+        return
+    weights = [f.name for f in d.glob("*.safetensors") if f.name != DRAFTER_FILE]
+    if not weights:
+        found = ", ".join(sorted(f.name for f in d.iterdir())[:8]) or "nothing"
+        raise FileNotFoundError(f"{d}: no weights file (model.safetensors, model.safetensors.index.json or "
+                                f"*.safetensors shards) in the checkpoint directory; found {found}")
 
 
 def load_hf_checkpoint_tree(
@@ -269,6 +286,7 @@ def load_hf_checkpoint_tree(
     one decoded tensor); ``progress`` shows a tqdm bar over tensors.
     """
     cfg = read_hf_config(path)
+    _check_weights_present(path)
     with open_checkpoint(path) as reader:
         tree = tensors_to_tree(cfg, reader, dtype, progress=progress, source=str(path))
     return cfg, tree

@@ -109,6 +109,11 @@ class EngineConfig:
         block_store: a directory for the file-system block store shared by engines and restarts
             (local disk or a shared mount); None = none. block_store_fallback: when that directory
             is not usable, log and run without it instead of failing at start-up.
+        default_thinking_mode: ``LLM.chat``'s thinking mode for requests that say nothing about it
+            (the recipe's ``ConversionOptions.default_thinking_mode``; True, the official default:
+            the model reasons before answering, and ``tool_choice`` "required" or a named tool is
+            then a 400). A request's ``thinking`` / ``reasoning_effort`` (Chat), ``reasoning.effort``
+            (Responses) or ``thinking`` / ``output_config.effort`` (Messages) overrides it.
         sharding: run over a device mesh with attention data parallel and expert parallel
             (engine.md §4): a preset name (``deepinfer_jax/config/sharding/*.toml``, e.g.
             ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``sharding.ShardingPreset``; None =
@@ -159,6 +164,7 @@ class EngineConfig:
     host_store_bytes: int = 1 << 30
     block_store: str | None = None
     block_store_fallback: bool = False
+    default_thinking_mode: bool = True
     sharding: Any = None
     speculation: str = "auto"
     num_speculative_tokens: int | None = None
@@ -197,7 +203,7 @@ class EngineConfig:
         if self.block_store is not None and not self.host_store_bytes:
             raise ValueError("block_store needs host_store_bytes > 0 (blocks pass through host memory)")
         for name in ("async_scheduling", "structured_output_overlap", "profile_steps", "enable_prefix_caching", "encoder_replay",
-                     "block_store_fallback", "decoder_replay"):
+                     "block_store_fallback", "decoder_replay", "default_thinking_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:

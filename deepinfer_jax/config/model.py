@@ -576,7 +576,10 @@ def _read_json(path: str | os.PathLike[str]) -> Mapping[str, Any]:
         raise TypeError(f"config must be a mapping or a path, got {type(path).__name__}")
     file = Path(path)
     file = file / "config.json" if file.is_dir() else file
-    raw = json.loads(file.read_text(encoding="utf-8"))
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
     return raw

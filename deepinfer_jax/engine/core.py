@@ -30,7 +30,9 @@ not compile); nothing invalid reaches the scheduler, so a bad request never dist
 
 from __future__ import annotations
 
+
 import itertools
+import operator
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -118,9 +120,12 @@ class EngineCore:
         if request_id is not None and request_id in self.requests and not self.requests[request_id].finished:
             raise RequestError("request_id", f"{request_id!r} is already running")
         try:
-            ids = [int(i) for i in prompt_ids]
-        except (TypeError, ValueError):
-            raise RequestError("prompt_token_ids", "must be a sequence of integers") from None
+            ids = [operator.index(i) for i in prompt_ids]  # ints (numpy's too), never a float truncated
+        except TypeError:
+            bad = next((i for i in prompt_ids if isinstance(i, bool) or not hasattr(i, "__index__")), None)
+            raise RequestError("prompt_token_ids", f"must be a sequence of integers, got {bad!r}") from None
+        if any(isinstance(i, bool) for i in prompt_ids):
+            raise RequestError("prompt_token_ids", "must be a sequence of integers, got a bool")
         if not ids:
             raise RequestError("prompt", "the prompt is empty")
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -133,6 +138,8 @@ class EngineCore:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise RequestError("logprobs", f"at most {self.max_logprobs} (the engine's max_logprobs), "
                                            f"got {params.logprobs}")
+        if params.top_k > self.vocab_size:
+            raise RequestError("top_k", f"at most the vocabulary size {self.vocab_size}, got {params.top_k}")
         if params.stop_token_ids and any(i >= self.vocab_size for i in params.stop_token_ids):
             raise RequestError("stop_token_ids", f"ids must lie in [0, {self.vocab_size})")
         if params.constraint is not None:

@@ -20,7 +20,9 @@ class TokenLogprobs:
 class CompletionOutput:
     """One completion. ``finish_reason``: "stop" (EOS, a stop token or string), "length"
     (max_tokens or the context limit), or None while unfinished. ``stop_reason`` is the stop
-    string or stop token id that ended it (None for EOS / length)."""
+    string or stop token id that ended it (None for EOS / length). ``logprobs``: one
+    ``TokenLogprobs`` per generated token when ``SamplingParams.logprobs`` was set; then also
+    ``cumulative_logprob`` (vLLM's field): the sum of the sampled tokens' logprobs (None otherwise)."""
 
     index: int
     text: str
@@ -28,6 +30,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
+    """One request's result. ``prompt_logprobs`` has vLLM's name and is always None: prompt
+    logprobs are not computed (the step returns logits for the sampled rows only)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -66,3 +72,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, compare=False)
+    prompt_logprobs: None = None

@@ -104,7 +104,9 @@ class Request:
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(index=0, text=self.detok.text, token_ids=list(self.output_ids),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-                                      logprobs=None if self.logprobs is None else list(self.logprobs))
+                                      logprobs=None if self.logprobs is None else list(self.logprobs),
+                                      cumulative_logprob=None if self.logprobs is None else
+                                      float(sum(lp.logprob for lp in self.logprobs)))
         metrics = RequestMetrics(self.arrival, self.first_token_time, self.finished_time, len(self.output_ids),
                                  self.num_preemptions)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], self.finished,

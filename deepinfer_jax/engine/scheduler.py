@@ -210,6 +210,8 @@ class Scheduler:
                 r.approximate = False
                 break  # FCFS: nothing behind the oldest request jumps the queue
             self.waiting.popleft()
+            if self.prefix is not None:
+                self.prefix.record_admitted()
             if uploads:  # blocks from the host / file tiers: fresh device blocks, filled before the step
                 ids = blocks.block_ids[len(cached) : len(cached) + len(uploads)]
                 digests = self.prefix.digests(r)

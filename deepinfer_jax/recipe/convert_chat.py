@@ -3,13 +3,14 @@
 Two steps, as in the official library: :func:`_parse` reads the body against the schema (a
 :class:`RequestBodyError` for a missing field, a wrong type or an unknown enum value), then
 :func:`convert_chat` applies the rules in the official order: model, messages (mapping, prefix and
-tool-call pairing), ``json_object`` word check, tools and tool choice, stop, ``stream_options``,
+tool-call pairing; the tool names are checked right after the model), ``json_object`` word check, tools and tool choice, stop, ``stream_options``,
 ``n``, temperature, ``top_p``, ``top_logprobs``, ``max_tokens``, ``seed``.
 
 Official behaviours matched on purpose (some look like bugs, recipe.md §0):
 
 - ``max_completion_tokens`` is read but ignored (pitfall 9); an assistant message with null content and
-  no tool calls is a 400 (pitfall 10); empty system messages are dropped;
+  no tool calls is a 400 (pitfall 10); empty system messages are dropped, so a request whose only
+  message is an empty system message converts to an empty conversation;
 - a tool message whose id is not pending is reported as "The following tool_call_ids did not have
   response messages: <that tool message's id>" (it names the tool message, not the missing call);
 - a prefix turn is rejected ("Function call should not be used with prefix") when the request
@@ -279,6 +280,7 @@ def convert_chat(body: Any, options: ConversionOptions | None = None) -> Convers
     options = options or ConversionOptions()
     req = _parse(body)
     version = cc.resolve_model(req["model"], options)
+    cc.check_tool_names([(f"tools[{i}].function.name", t[0]) for i, t in enumerate(req["tools"])])
     effort = None if req["reasoning_effort"] is MISSING else req["reasoning_effort"]
     thinking_type = None if req["thinking"] is MISSING else req["thinking"]
     thinking, conv_effort = cc.resolve_thinking(thinking_type, effort, options)
@@ -289,7 +291,7 @@ def convert_chat(body: Any, options: ConversionOptions | None = None) -> Convers
     if any(isinstance(m, AssistantMessage) and m.prefix for m in messages[:-1]):
         raise ConversionError("Invalid completion message: prefix set true with message which is not final message "
                               "or message role is not assistant")
-    prefix = isinstance(messages[-1], AssistantMessage) and messages[-1].prefix
+    prefix = bool(messages) and isinstance(messages[-1], AssistantMessage) and messages[-1].prefix
     messages = cc.fill_reasoning(messages, thinking, options.reasoning_content_behavior, bool(req["tools"]))
     fmt: cc.ResponseFormatSpec = req["response_format"]
     if fmt.kind == "json_object":

@@ -43,6 +43,7 @@ __all__ = [
     "ToolChoiceSpec",
     "build_request",
     "check_json_word",
+    "check_tool_names",
     "f32",
     "fill_reasoning",
     "image_source_from_url",
@@ -106,6 +107,25 @@ def resolve_model(model: str, options: ConversionOptions) -> ModelVersion:
     if model not in table:
         raise ConversionError(f"The supported API model names are {', '.join(table)}, but you passed {model}.")
     return table[model]
+
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+TOOL_NAME_MAX = 128
+
+
+def check_tool_names(names: Sequence[tuple[str, str]]) -> None:
+    """Each ``(path, name)`` of a declared function tool: 1 to 128 characters of ``[a-zA-Z0-9_-]``,
+    else a 400 naming the path (e.g. ``tools[2].function.name``) in the official wording."""
+    for path, name in names:
+        if not name:
+            raise ConversionError(f"Invalid '{path}': empty string. Expected a string with minimum length 1, but "
+                                  "got an empty string instead.")
+        if len(name) > TOOL_NAME_MAX:
+            raise ConversionError(f"Invalid '{path}': string too long. Expected a string with maximum length "
+                                  f"{TOOL_NAME_MAX}, but got a string with length {len(name)} instead.")
+        if _TOOL_NAME.fullmatch(name) is None:
+            raise ConversionError(f"Invalid '{path}': string does not match pattern. Expected a string that matches "
+                                  "the pattern '^[a-zA-Z0-9_-]+$'.")
 
 
 def resolve_thinking(thinking_type: str | None, effort: str | None,

@@ -410,12 +410,13 @@ def _messages(raw: list[dict[str, Any]], token: str, v41: bool, web: WebSearchBe
 def convert_messages(body: Any, options: ConversionOptions | None = None) -> ConversationRequest:
     """Convert a Messages request body (dict, JSON text or bytes).
 
-    Rule order (official): model, server tools, deferred tools, messages, reasoning fill, tool schemas,
+    Rule order (official): model, client tool names, server tools, deferred tools, messages, reasoning fill, tool schemas,
     tool choice, stop sequences, sampling, ``max_tokens`` (clamped to the bound).
     """
     options = options or ConversionOptions()
     req = _parse(body)
     version = cc.resolve_model(req["model"], options)
+    cc.check_tool_names([(f"tools[{i}].name", t["name"]) for i, t in enumerate(req["tools"]) if t["kind"] == "client"])
     v41 = version.is_v41
     thinking, effort = cc.resolve_thinking(req["thinking"], req["effort"], options)
     token = options.special_tokens[SpecialToken.IMAGE]

@@ -337,15 +337,28 @@ def namespace_tool_map(body: Any, options: ConversionOptions | None = None) -> d
     return _tools(req["tools"], options, cc.resolve_model(req["model"], options).is_v41)[1]
 
 
+def _tool_names(tools: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``(path, name)`` of the function tools and namespaces (a namespace, then its functions)."""
+    out = []
+    for i, t in enumerate(tools):
+        if t["kind"] in ("function", "namespace"):
+            out.append((f"tools[{i}].name", t["name"]))
+        if t["kind"] == "namespace":
+            out += [(f"tools[{i}].tools[{j}].name", f["name"]) for j, f in enumerate(t["tools"])
+                    if f["kind"] == "function"]
+    return out
+
+
 def convert_responses(body: Any, options: ConversionOptions | None = None) -> ConversationRequest:
     """Convert a Responses request body (dict, JSON text or bytes).
 
-    Rule order (official): model, tool list (custom / web search), input items, reasoning fill,
+    Rule order (official): model, function and namespace tool names, tool list (custom / web search), input items, reasoning fill,
     tool schemas, tool choice, ``json_object`` word, strict formats, sampling, ``top_logprobs``, limit.
     """
     options = options or ConversionOptions()
     req = _parse(body, options)
     version = cc.resolve_model(req["model"], options)
+    cc.check_tool_names(_tool_names(req["tools"]))
     thinking, effort = cc.resolve_thinking(None, req["effort"], options)
     specs, ns_map = _tools(req["tools"], options, version.is_v41)
     choice_raw = req["tool_choice"]

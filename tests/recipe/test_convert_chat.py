@@ -155,6 +155,15 @@ CURATED: list[tuple[str, dict, dict]] = [
                                "thinking": {"type": "disabled"}}, {}),
     ("json-text-body", ('{"model": "DeepSeek-V4.1-Flash", "messages": '
                         '[{"role": "user", "content": "big 18446744073709551616"}]}'), {}),
+    ("tool-name-pattern", {"model": V41, "messages": U, "tools": F + [
+        {"type": "function", "function": {"name": "a b"}}]}, {}),
+    ("tool-name-empty-before-messages", {"model": V41, "messages": [], "tools": [
+        {"type": "function", "function": {"name": ""}}]}, {}),
+    ("tool-name-too-long-choice-none", {"model": V41, "messages": U, "tool_choice": "none", "tools": [
+        {"type": "function", "function": {"name": "x" * 129}}]}, {}),
+    ("only-empty-system-message", {"model": V41, "messages": [{"role": "system", "content": ""}]}, {}),
+    ("only-empty-system-messages-off", {"model": V41, "messages": [{"role": "system", "content": []}] * 2,
+                                        "thinking": {"type": "disabled"}}, {}),
 ]
 
 

@@ -110,6 +110,10 @@ CURATED: list[tuple[str, dict, dict]] = [
     ("reasoning-reject", {"model": V41, "messages": [U, _asst(_tu("t1")), _user(_tr("t1"))]},
      {"reasoning_reject": True}),
     ("redacted-thinking", {"model": V41, "messages": [_user({"type": "redacted_thinking", "data": "x"})]}, {}),
+    ("tool-name-pattern", {"model": V41, "max_tokens": 5, "messages": [U], "tools": [
+        {"name": "日本", "input_schema": {"type": "object"}}]}, {}),
+    ("tool-name-too-long", {"model": V41, "max_tokens": 5, "messages": [U], "tools": [
+        {"name": "x" * 129, "input_schema": {"type": "object"}}]}, {}),
 ]
 
 

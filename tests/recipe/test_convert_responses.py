@@ -94,6 +94,11 @@ CURATED: list[tuple[str, dict, dict]] = [
         {"type": "function", "name": "f", "strict": True}]}, {}),
     ("reasoning-reject", {"model": V41, "input": [U, _fc("c1"), _fo("c1")]}, {"reasoning_reject": True}),
     ("unknown-item-ignored", {"model": V41, "input": [U, {"type": "item_reference", "id": "x"}]}, {}),
+    ("tool-name-pattern", {"model": V41, "input": "x", "tools": [{"type": "function", "name": "ok"},
+                                                               {"type": "function", "name": "a.b"}]}, {}),
+    ("namespace-inner-tool-name", {"model": V41, "input": "x", "tools": [{"type": "namespace", "name": "fs",
+        "description": "d", "tools": [{"type": "function", "name": "r d"}]}]}, {}),
+    ("tool-name-empty-before-input", {"model": V41, "input": [], "tools": [{"type": "function", "name": ""}]}, {}),
 ]
 
 

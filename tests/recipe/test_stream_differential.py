@@ -21,6 +21,9 @@ from stream_oracle import Case, diff, encode
 from deepinfer_jax.recipe.stream import ParseOptions
 
 D = "｜DSML｜"
+# single raw bytes as token ids (byte-level BPE): a continuation byte, 0xFF, and the first two and the
+# last byte of "中" (E4 B8 AD)
+BYTE_80, BYTE_FF, BYTE_E4, BYTE_B8, BYTE_AD = 225, 190, 163, 119, 258
 THINKING = ParseOptions(thinking_stage="reasoning_start")
 TOOLS_OFF = ParseOptions(parse_tool_calls=False)
 CALL = (f'\n\n<{D} calls>\n<{D} invoke name="get_weather">\n<{D} parameter name="city" string="true">東京 "quoted" 🌸'
@@ -103,6 +106,17 @@ HAND_CASES = [
     Case("utf8-held-across-pushes", [[73369], [119], ids("ok"), [73369], [66]]),
     Case("utf8-incomplete-at-end-dropped", [ids("Hi"), [73369]]),
     Case("utf8-run-cut-by-special", [ids("Hello") + [128803, 73369], [119]]),
+    Case("utf8-lone-invalid-last-byte-held-and-dropped", [ids("Hi") + [BYTE_80]]),
+    Case("utf8-lone-invalid-byte-then-text", [ids("A") + [BYTE_80], ids("B"), [BYTE_80]]),
+    Case("utf8-restart-after-broken-sequence", [[BYTE_FF, BYTE_E4, BYTE_B8], [BYTE_AD], ids("ok")]),
+    Case("utf8-replacement-char-token-held", [ids("A\ufffd"), ids("B")]),
+    Case("json-lone-invalid-byte-spacing", [ids("x ") + [BYTE_80], ids('{"a": 1}'), ids(" y")],
+         ParseOptions(parse_json_output=True)),
+    Case("stop-never-matches-special-token-text", [ids("ab") + [128803] + ids("cd")],
+         ParseOptions(stop_sequences=("<｜User｜>",))),
+    Case("stop-never-spans-special-token", [ids("ab") + [128803] + ids("cd")],
+         ParseOptions(stop_sequences=("b<｜U", "｜>c"))),
+    Case("stop-spelled-special-in-text-mode", ["ab<｜User｜>cd"], ParseOptions(stop_sequences=("<｜User｜>",))),
     Case("unknown-ids", [[999999999], ids("x"), [129280], ids("y") + [999999999]]),
     Case("special-tokens-as-text", [[128803, 128821, 1, 0, 129279]]),
     Case("empty-text-chunks", ["", "a", "", "", "b"]),

@@ -85,12 +85,30 @@ def test_escape_piece_matches_json_dumps():
 def test_decoder_holds_incomplete_utf8_and_counts_ids(table):
     d = TokenDecoder(table)
     assert d.push([73369]) == []  # " \xf0\x9f\x8c": cut-off emoji held
-    assert d.push([119]) == [(" 🌸", 2)]
+    assert d.push([119]) == [(" 🌸", 2, False)]
     assert d.push([73369]) == []
-    assert d.push([66]) == [(" \ufffd" + table.texts[66], 2)]  # not completed: one U+FFFD
+    assert d.push([66]) == [(" \ufffd" + table.texts[66], 2, False)]  # not completed: one U+FFFD
     assert d.push([999999999]) == []  # unknown id: no text, held
-    assert d.push(enc("ok")) == [("ok", 2)]
-    assert d.push(enc("Hello") + [128803, 73369]) == [("Hello", 1), ("<｜User｜>", 1)]  # run cut by added token
+    assert d.push(enc("ok")) == [("ok", 2, False)]
+    assert d.push(enc("Hello") + [128803, 73369]) == [("Hello", 1, False), ("<｜User｜>", 1, True)]  # run cut
+
+
+def _byte_ids(table, data: bytes) -> list[int]:
+    first = {}
+    for i, b in enumerate(table.bytes):
+        if len(b) == 1:
+            first.setdefault(b[0], i)
+    return [first[x] for x in data]
+
+
+def test_decoder_holds_a_trailing_invalid_byte_and_restarts_after_it(table):
+    d = TokenDecoder(table)
+    assert d.push(enc("A") + _byte_ids(table, b"\x80")) == []  # a lone invalid last byte is held, "A" too
+    assert d.push(enc("B")) == [("A\ufffdB", 3, False)]  # then released lossily
+    assert d.push(_byte_ids(table, b"\xff\xe4\xb8")) == []  # invalid, then an incomplete character
+    assert d.push(_byte_ids(table, b"\xad")) == [("\ufffd中", 4, False)]  # decoding restarts after \xff
+    assert d.push(enc("\ufffd")) == []  # a U+FFFD token at the end is held as well (official)
+    assert d.push(enc("C")) == [("\ufffdC", 2, False)]
 
 
 def test_marker_only_as_special_id_in_token_mode(table):

@@ -50,6 +50,7 @@ class Branch:
     pattern: str
     next_stage: Hashable
     action: Action
+    bpe_only: bool = False  # never matches in, nor across, an added token's text (stop sequences)
 
     @property
     def table(self) -> tuple[int, ...]:
@@ -59,13 +60,15 @@ class Branch:
 class StageSpec:
     """A compiled stage: its branches, their KMP tables and the trigger-character regex."""
 
-    __slots__ = ("branches", "key", "kinds", "leading", "patterns", "plens", "tables", "trigger", "unmatched")
+    __slots__ = ("branches", "key", "kinds", "kinds_special", "leading", "patterns", "plens", "tables", "trigger",
+                 "unmatched")
 
     def __init__(self, key: Hashable, branches: list[Branch], unmatched: Action) -> None:
         self.key = key
         self.branches = branches
         self.unmatched = unmatched
         self.kinds = [b.kind for b in branches]
+        self.kinds_special = [-1 if b.bpe_only else b.kind for b in branches]  # while feeding added-token text
         self.patterns = [b.pattern for b in branches]
         self.tables = [b.table for b in branches]
         self.plens = [len(b.pattern) for b in branches]
@@ -104,8 +107,13 @@ class Machine:
     def stage(self) -> Hashable:
         return self.spec.key
 
-    def feed(self, text: str) -> list[Segment]:
-        """Advance over ``text``; return the segments resolved by it."""
+    def feed(self, text: str, special: bool = False) -> list[Segment]:
+        """Advance over ``text``; return the segments resolved by it. ``special``: the text is an
+        added token's, which ``bpe_only`` branches skip (their partial matches are dropped)."""
+        if special:
+            for b, kind in enumerate(self.spec.kinds_special):
+                if kind < 0:
+                    self.lens[b] = self.nls[b] = 0
         if not self.stash and not self.lead_pending:  # idle automata and no trigger: all of it is plain
             trig = self.spec.trigger
             if trig is None or trig.search(text) is None:
@@ -130,7 +138,8 @@ class Machine:
             c = buf[i]
             matched = -1
             mlen = 0
-            kinds, patterns, tables, plens = spec.kinds, spec.patterns, spec.tables, spec.plens
+            kinds = spec.kinds_special if special else spec.kinds
+            patterns, tables, plens = spec.patterns, spec.tables, spec.plens
             for b in range(len(kinds)):
                 kind = kinds[b]
                 if kind == STRING:
@@ -161,7 +170,7 @@ class Machine:
                             matched, mlen = b, j + nls[b]
                             break
                         lens[b] = j
-                elif self.lead_pending:
+                elif kind == LEADING_NEWLINE and self.lead_pending:
                     self.lead_pending = False
                     if c == "\n":
                         matched, mlen = b, 1

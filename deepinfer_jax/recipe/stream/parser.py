@@ -127,11 +127,11 @@ class OutputParser:
             self.closed = True
             raise StreamClosedError("token ids were pushed but the stream parser has no tokenizer")
         self._machine(True)
-        for piece, count in self.decoder.push(ids):
+        for piece, count, special in self.decoder.push(ids):
             if self.stopped is not None:
                 break
             self.completion_tokens += count
-            self._chunk(piece)
+            self._chunk(piece, special)
         return self._take()
 
     def finish(self, reason: str | None = None) -> list[Event]:
@@ -174,7 +174,7 @@ class OutputParser:
             g = st.grammar(self.opts, token_mode)
             self.machine = Machine(g.stage, st.initial_stage(self.opts))
 
-    def _chunk(self, text: str) -> None:
+    def _chunk(self, text: str, special: bool = False) -> None:
         if not text:
             if not self.queue and self.last_action is not None:
                 self._piece(self.last_action, "", False)
@@ -182,7 +182,7 @@ class OutputParser:
             else:
                 self.queue.append(_Chunk(0))
             return
-        segments = self.machine.feed(text)
+        segments = self.machine.feed(text, special)  # stop sequences never match an added token's text
         if len(segments) == 1 and not self.queue and self.run_action is None:
             action, seg = segments[0]  # fast path: one segment that is exactly this chunk
             if len(seg) == len(text) and action[0] != st.A_STOP:

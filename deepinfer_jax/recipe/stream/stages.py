@@ -54,7 +54,7 @@ def initial_stage(opts: ParseOptions) -> Hashable:
 
 
 def _stops(opts: ParseOptions) -> list[Branch]:
-    return [Branch(STRING, s, FINISHED, (A_STOP, s)) for s in opts.stop_sequences]
+    return [Branch(STRING, s, FINISHED, (A_STOP, s), bpe_only=True) for s in opts.stop_sequences]
 
 
 def _dsml_begin(labels: Labels) -> Branch:

@@ -3,12 +3,14 @@
 Byte-level BPE tokens are looked up in a table built once from the tokenizer (the GPT-2
 byte-to-unicode map undone); added tokens decode to their spelling, except the two markers, which
 become sentinels (:mod:`.markers`). One push decodes into *pieces*: each added token is a piece of
-its own, and each run of BPE tokens between them is one piece. A run whose bytes are empty or end in
-an incomplete UTF-8 sequence is held whole (its ids too) and joined to the next push; a run that
-an added token interrupts is decoded lossily (one U+FFFD per broken sequence, as Rust's
-``from_utf8_lossy``). Ids count as completion tokens when the text they belong to is released; ids
-still held at the end of the stream are dropped uncounted. Unknown or out-of-range ids decode to
-nothing.
+its own, and each run of BPE tokens between them is one piece. A run is decoded lossily (one U+FFFD
+per maximal invalid subsequence, Python's ``decode("utf-8", "replace")``, which restarts right
+after each broken sequence); when its bytes are empty or its decoded text ends in U+FFFD (an
+incomplete character, a lone invalid byte, or a U+FFFD token) it is held whole (its ids too) and
+joined to the next push, as the official library does. A run that an added token interrupts is
+released as it decodes. Ids count as completion tokens when the text they belong to is released;
+ids still held at the end of the stream are dropped uncounted. Unknown or out-of-range ids decode
+to nothing. Each piece says whether it is an added token's (stop sequences never match those).
 """
 
 from __future__ import annotations
@@ -77,14 +79,10 @@ class TokenTable:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _decode_run(run: bytes, final: bool) -> str | None:
-    """The text of a BPE run, or None when it must be held (empty, or a cut-off last character)."""
-    try:
-        return run.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if not final and e.reason == "unexpected end of data":
-            return None
-        return run.decode("utf-8", "replace")
+def _decode_run(run: bytes) -> str | None:
+    """The text of a BPE run, or None when it must be held (its lossy text ends in U+FFFD)."""
+    text = run.decode("utf-8", "replace")
+    return None if text.endswith("\ufffd") else text
 
 
 class TokenDecoder:
@@ -97,17 +95,18 @@ class TokenDecoder:
         self.pending = b""
         self.pending_ids = 0
 
-    def push(self, ids: list[int]) -> list[tuple[str, int]]:
-        """Decode one push: the released pieces, each with the number of ids it accounts for."""
+    def push(self, ids: list[int]) -> list[tuple[str, int, bool]]:
+        """Decode one push: the released pieces, each with the number of ids it accounts for and
+        whether it is an added token's text."""
         if len(ids) == 1 and not self.pending_ids:  # the decode loop's case: one complete token
             i = ids[0]
             if 0 <= i < len(self.table.texts):
                 text = self.table.texts[i]
-                if text is not None:
-                    return [(text, 1)]
+                if text is not None and not text.endswith("\ufffd"):
+                    return [(text, 1, i in self.table.added)]
         table, added = self.table.bytes, self.table.added
         size = len(table)
-        pieces: list[tuple[str, int]] = []
+        pieces: list[tuple[str, int, bool]] = []
         run = self.pending
         run_ids = self.pending_ids
         parts: list[bytes] = [run] if run else []
@@ -121,15 +120,15 @@ class TokenDecoder:
             joined = b"".join(parts) if parts else b""
             parts = []
             if joined:
-                pieces.append((joined.decode("utf-8", "replace"), run_ids))
+                pieces.append((joined.decode("utf-8", "replace"), run_ids, False))
                 run_ids = 0
-            pieces.append((special, run_ids + 1))
+            pieces.append((special, run_ids + 1, True))
             run_ids = 0
         joined = b"".join(parts)
-        text = _decode_run(joined, final=False) if joined else None
+        text = _decode_run(joined) if joined else None
         if text is None:
             self.pending, self.pending_ids = joined, run_ids
         else:
-            pieces.append((text, run_ids))
+            pieces.append((text, run_ids, False))
             self.pending, self.pending_ids = b"", 0
         return pieces
