@@ -29,6 +29,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_jax import recipe
@@ -39,7 +40,7 @@ from deepinfer_jax.recipe.stream import ParseOptions, StreamEvent, StreamOptions
 if TYPE_CHECKING:
     from deepinfer_jax.llm import LLM
 
-__all__ = ["chat", "chat_stream"]
+__all__ = ["PreparedRequest", "chat", "chat_stream", "final_response", "prepare"]
 
 _ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 
@@ -82,6 +83,50 @@ def _grammar_constraint(req):
     return constraint
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A protocol request made ready for the engine: the prompt ids, the sampling settings (the
+    recipe's sampling fields, stops, structured-output grammar) and the stream parser's options."""
+
+    ids: list[int]
+    params: SamplingParams
+    options: StreamOptions
+
+    def parser(self, llm: LLM, accumulate: bool = False) -> StreamParser:
+        """A fresh ``StreamParser`` for this request's output (``accumulate``: for ``response()``)."""
+        return StreamParser(self.options, llm.parser_tokenizer, accumulate=accumulate)
+
+
+def prepare(llm: LLM, request: Any, protocol: str) -> PreparedRequest:
+    """Convert, render and encode a Chat Completions / Responses / Messages request (``protocol``
+    "chat" / "responses" / "messages") for ``llm``'s engine. Raises ``recipe.ConversionError`` (status
+    400, with ``param``) for what the protocol rejects, before anything runs."""
+    return PreparedRequest(*_prepare(llm, request, protocol))
+
+
+def final_response(llm: LLM, prepared: PreparedRequest, token_ids, finish_reason: str | None,
+                   cached_tokens: int = 0) -> dict:
+    """The protocol's final response JSON (as the official library's ``to_json()``) for the generated
+    ``token_ids`` of ``prepared``; ``finish_reason`` is the engine's ("length" or a stop), and
+    ``cached_tokens`` the prompt tokens served from the prefix cache (reported in usage)."""
+    parser = prepared.parser(llm, accumulate=True)
+    parser.ready(prompt_tokens=len(prepared.ids), cache_hit_tokens=cached_tokens)
+    eos = llm.engine.eos_token_id
+    for token in token_ids:
+        if token == eos or parser.finished:  # generation ended there; the end of sequence is not text
+            break
+        parser.push_ids([token])
+    finish = None
+    if not parser.finished:
+        finish = "length" if finish_reason == "length" else "stop"
+        parser.finish(finish)
+    resp = parser.response()
+    warning = budget_warning(llm, prepared.params, prepared.options, token_ids, finish)
+    if warning is not None:
+        resp["warning"] = warning
+    return resp
+
+
 def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], SamplingParams, StreamOptions]:
     req = recipe.convert_request(request, protocol, llm.conversion_options)
     body = _body(request)
@@ -108,7 +153,7 @@ def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], Sampling
     return ids, params, options
 
 
-def _budget_warning(llm: LLM, params: SamplingParams, options: StreamOptions, token_ids, finish: str | None):
+def budget_warning(llm: LLM, params: SamplingParams, options: StreamOptions, token_ids, finish: str | None):
     """The ``warning`` of a thinking-mode output that hit ``max_tokens`` inside its reasoning."""
     if finish != "length" or options.parse.thinking_stage not in ("reasoning_start", "reasoning_continuation"):
         return None
@@ -144,7 +189,7 @@ def chat_stream(llm: LLM, request: Any, protocol: str = "chat") -> Iterator[Stre
         if not parser.finished:
             finish = "length" if req.finish_reason == "length" else "stop"
             events = parser.finish(finish)
-            warning = _budget_warning(llm, params, options, req.output_ids, finish)
+            warning = budget_warning(llm, params, options, req.output_ids, finish)
             if warning is not None and events:
                 events[-1] = StreamEvent({**events[-1].data, "warning": warning}, events[-1].event)
             yield from events
@@ -156,23 +201,7 @@ def chat_stream(llm: LLM, request: Any, protocol: str = "chat") -> Iterator[Stre
 
 def chat(llm: LLM, request: Any, protocol: str = "chat") -> dict:
     """The protocol's final (non-streaming) response JSON, as the official library's ``to_json()``."""
-    ids, params, options = _prepare(llm, request, protocol)
-    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
-    parser = StreamParser(options, llm.parser_tokenizer, accumulate=True)
-    parser.ready(prompt_tokens=len(ids), cache_hit_tokens=0)
-    eos = llm.engine.eos_token_id
-    for token in out.token_ids:
-        if token == eos:  # generation ended there; the end of sequence is not text
-            break
-        if parser.finished:
-            break
-        parser.push_ids([token])
-    finish = None
-    if not parser.finished:
-        finish = "length" if out.finish_reason == "length" else "stop"
-        parser.finish(finish)
-    resp = parser.response()
-    warning = _budget_warning(llm, params, options, out.token_ids, finish)
-    if warning is not None:
-        resp["warning"] = warning
-    return resp
+    prepared = prepare(llm, request, protocol)
+    result = llm.generate({"prompt_token_ids": prepared.ids}, prepared.params, use_tqdm=False)[0]
+    out = result.outputs[0]
+    return final_response(llm, prepared, out.token_ids, out.finish_reason, result.num_cached_tokens)
