@@ -251,14 +251,15 @@ class LLM:
         buckets = self.buckets.tokens
         if path.is_file():
             try:
-                data = json.loads(path.read_text())["tables"]
+                saved = json.loads(path.read_text())
+                data, profiled = saved["tables"], saved.get("source") == "profiled"
                 tables = []
                 for i, d in enumerate(data):
                     tables.append(StepTimes.from_json(d, buckets, fallback=tables[i - 1] if i % 2 else None))
                 if len(tables) == 4:
                     if self.engine_config.precompile == "lazy" and not all(t.fully_measured for t in tables):
                         self._online_saves["spec_times"] = path
-                    if self.engine_config.precompile == "lazy" or all(t.fully_measured for t in tables):
+                    if self.engine_config.precompile == "lazy" or profiled:  # "all" profiles over online fits
                         return tables
             except (ValueError, KeyError, TypeError, OSError):
                 pass  # a damaged or foreign file: measure again
