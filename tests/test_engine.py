@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from test_paged_step import CFG, robust_params
 
-from deepinfer_jax import LLM, RequestError, SamplingParams, forward_full, generate
+from deepinfer_jax import LLM, RequestError, SamplingParams, forward_full, generate, generate_ragged, pad_prompts
+from deepinfer_jax.model import generate as generate_module
 from deepinfer_jax.cache.block_store import StoreError
 
 MAX_LEN = 128
@@ -102,6 +103,33 @@ def test_jitted_generate_equals_the_engine(llm, params):
     again = np.asarray(gen(params, CFG, prompts, jax.random.key(1), max_new_tokens=9, temperature=1.0,
                            stop_at_eos=False))
     assert sampled.tolist() == again.tolist() and sampled.tolist() != toks.tolist()
+
+
+def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompile(llm, params):
+    """Rows of different lengths: no padding reaches the model (each row equals the engine's output for
+    that prompt alone, which left-padding with BOS would change); new sampling values reuse the program."""
+    prompts = _prompts(7, 3, 3, 40)
+    assert len({len(p) for p in prompts}) == 3
+    want = [_ids(_run(llm, [p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))[0] for p in prompts]
+    got = generate_ragged(params, CFG, prompts, 6, stop_at_eos=False)
+    assert got == want
+    compiled = generate_module._jitted._cache_size()
+    sampled = generate_ragged(params, CFG, prompts, 6, key=jax.random.key(3), temperature=[0.0, 1.0, 1.0], top_p=0.9,
+                              top_k=20, stop_at_eos=False)
+    assert generate_module._jitted._cache_size() == compiled, "new sampling settings recompiled"
+    assert sampled[0] == want[0] and sampled[1:] != want[1:]  # the greedy row stays greedy
+    ids, lens = pad_prompts(prompts)
+    assert ids.shape[1] % 16 == 0 and lens.tolist() == [len(p) for p in prompts]
+    gen = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
+    rect = np.asarray(gen(params, CFG, ids, jax.random.key(0), 6, prompt_lengths=lens, stop_at_eos=False))
+    assert rect.tolist() == want
+
+
+@pytest.mark.parametrize("bad, field", [([], "at least one"), ([[1, 2], []], "prompts[1]"), ([[1, 2.5]], "prompts[0]"),
+                                        ([[1, 10**6]], "prompts[0]")])
+def test_pad_prompts_names_the_bad_row(bad, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+        pad_prompts(bad, vocab_size=CFG.vocab_size)
 
 
 def test_logprobs_match_the_model(llm, params, fwd):

@@ -1,0 +1,123 @@
+"""Start-up: the persistent compilation cache, lazy buckets, profiles fitted online and saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from deepinfer_jax import LLM, SamplingParams, compile_cache
+from deepinfer_jax.config import EngineConfig
+from deepinfer_jax.engine.spec_policy import StepTimes
+
+
+# --- the compilation cache -------------------------------------------------------------------
+
+
+def test_cache_directory_resolution(tmp_path, monkeypatch):
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "from-env"))
+    assert compile_cache.resolve(str(tmp_path / "setting")) == tmp_path / "setting"  # the setting wins
+    assert compile_cache.resolve() == tmp_path / "from-env"
+    assert compile_cache.resolve(False) is None and compile_cache.resolve("off") is None
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    assert compile_cache.resolve() is None
+    with pytest.raises(ValueError, match="compilation_cache"):
+        compile_cache.resolve(3)
+
+
+@pytest.mark.parametrize("field, value", [("precompile", "eager"), ("compilation_cache", 3)])
+def test_bad_start_up_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from deepinfer_jax import compile_cache
+    hits = []
+    jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+    compile_cache.enable(sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    f = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x).T + 1.0)
+    f(np.ones((int(sys.argv[2]), 8), np.float32)).block_until_ready()  # numpy input: f is the only program
+    print(json.dumps({"hits": len(hits)}))
+""")
+
+
+def _child(cache_dir, rows: int) -> int:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(cache_dir), str(rows)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return json.loads(out.stdout.strip().splitlines()[-1])["hits"]
+
+
+def test_a_second_process_loads_the_program_and_another_shape_does_not(tmp_path):
+    assert _child(tmp_path, 4) == 0
+    assert any(tmp_path.iterdir())
+    assert _child(tmp_path, 4) == 1  # a fresh process: from the disk cache
+    assert _child(tmp_path, 5) == 0  # another shape is another program
+
+
+# --- lazy buckets and online profiles ----------------------------------------------------------
+
+SETTINGS = dict(max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=16, max_model_len=64,
+                use_tqdm=False, speculation="none")
+PROMPTS = [{"prompt_token_ids": [0, 5, 9, 11, 20]}, {"prompt_token_ids": [0, 7, 3]}]
+SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_lazy_engine_compiles_on_first_use_then_never_again(tmp_path):
+    lazy = LLM("tiny", chunking="tokens", cost_model_dir=str(tmp_path), **SETTINGS)
+    traces = lazy.runner.traces
+    first = lazy.generate(PROMPTS, SP, use_tqdm=False)
+    assert lazy.runner.traces > traces  # the buckets compiled while generating
+    traces = lazy.runner.traces
+    again = lazy.generate(PROMPTS, SP, use_tqdm=False)
+    assert lazy.runner.traces == traces, "a bucket compiled twice"
+    eager = LLM("tiny", chunking="tokens", cost_model_dir=str(tmp_path), precompile="all", **SETTINGS)
+    traces = eager.runner.traces
+    want = eager.generate(PROMPTS, SP, use_tqdm=False)
+    assert eager.runner.traces == traces
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]
+    assert ids(first) == ids(again) == ids(want)
+
+
+def test_lazy_cost_model_is_fitted_online_saved_and_reloaded(tmp_path):
+    llm = LLM("tiny", chunking="cost", cost_model_dir=str(tmp_path), **SETTINGS)
+    path = llm._cost_model_path()
+    assert not path.exists()  # nothing profiled at start-up
+    traces = llm.runner.traces
+    llm.generate([{"prompt_token_ids": [0, 5 + i, 9]} for i in range(6)], SamplingParams(temperature=0, max_tokens=16,
+                                                                                        ignore_eos=True), use_tqdm=False)
+    cm = llm.engine.cost_model
+    assert cm.num_refits >= 1
+    if llm.runner.traces > traces:  # steps that waited on a compilation were not observed
+        assert cm.num_observed < llm.engine.stats.steps
+    else:  # the programs were already in memory (an earlier test): every step counts
+        assert cm.num_observed == llm.engine.stats.steps
+    saved = json.loads(path.read_text())
+    assert saved["meta"]["source"] == "online" and saved["coef"] == cm.coef.tolist()
+    again = LLM("tiny", chunking="cost", cost_model_dir=str(tmp_path), **SETTINGS)
+    assert again.engine.cost_model.coef.tolist() == cm.coef.tolist()
+
+
+def test_unmeasured_step_times_take_their_first_sample_and_estimate_the_rest():
+    draft = StepTimes((4, 8, 16))
+    plain = StepTimes((4, 8, 16), fallback=draft)
+    assert draft.time(8) == 8.0 and not any(draft.measured)  # relative units before any measurement
+    draft.observe(8, 1000.0)
+    assert draft.times[1] == 1000.0 and draft.measured == [False, True, False]
+    assert draft.time(16) == pytest.approx(2000.0)  # proportional to the one measured bucket
+    assert plain.time(8) == 1000.0  # no plain measurement yet: drafting looks free
+    draft.observe(16, 1400.0)
+    assert draft.time(4) == pytest.approx(800.0)  # the line through (8, 1000) and (16, 1400)
+    draft.observe(8, 3000.0)
+    assert draft.times[1] == pytest.approx(1100.0)  # measured: the moving average, one sample capped at 2x
+    back = StepTimes.from_json(json.loads(json.dumps(draft.to_json())), (4, 8, 16))
+    assert back.times == draft.times and back.measured == draft.measured
+    with pytest.raises(ValueError, match="buckets"):
+        StepTimes.from_json(draft.to_json(), (4, 8))
