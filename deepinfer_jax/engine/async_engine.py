@@ -111,6 +111,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = 0  # engine steps run by the thread
+        self.aborted = 0  # requests ended by abort() before they finished
 
     # ---- lifetime ----
     def start(self) -> AsyncEngine:
@@ -220,6 +221,7 @@ class AsyncEngine:
             entry.loop.call_soon_threadsafe(_settle, accepted, None)
         elif kind == "abort":
             if cmd[1] in self._active:
+                self.aborted += not self.engine.requests[cmd[1]].finished
                 self.engine.abort(cmd[1])
                 self._publish_one(cmd[1])
         else:
@@ -240,11 +242,11 @@ class AsyncEngine:
         out = entry.tracker.delta()
         if out is None:
             return
-        entry.put(out)
-        if out.finished:
+        if out.finished:  # released before the consumer sees the end: it may add a request at once
             del self._active[rid]
             self.engine.requests.pop(rid, None)
             self._release()
+        entry.put(out)
 
     def _release(self) -> None:
         with self._cv:
