@@ -9,7 +9,8 @@ off), at most ``--concurrency`` in flight, the whole run cut at ``--deadline`` s
    settings below, its warm-up request), timed from the process start to the first ``/health``
    200, with the compilation cache as it is ("warm"); with ``--cold`` first once more with empty
    compilation- and profile-cache directories ("cold"). Then the first request's time to first token.
-2. Load: the clients stream ``/v1/chat/completions`` (SSE read by hand with ``httpx``, so the
+2. Load: after one untimed round of ``--concurrency`` requests (the step buckets the load reaches are
+   compiled lazily, or loaded from the compilation cache, by it), the clients stream ``/v1/chat/completions`` (SSE read by hand with ``httpx``, so the
    client library's own cost stays out); per request TTFT (request sent -> first SSE event, which
    the server sends with the first token) and TPOT ((last - first event) / (tokens - 1), tokens from
    the usage chunk); throughput = completion tokens / wall time.
@@ -154,6 +155,8 @@ def main() -> None:
         t0 = time.perf_counter()
         first = asyncio.run(load(port, 1, 1, 4, args.deadline))[0][0]
         first_request_s = time.perf_counter() - t0
+        # untimed: the step buckets this load reaches compile (or load from the cache) lazily, once
+        asyncio.run(load(port, args.concurrency, args.concurrency, args.max_tokens, args.deadline))
         results, wall = asyncio.run(load(port, args.requests, args.concurrency, args.max_tokens, args.deadline))
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     finally:

@@ -200,7 +200,7 @@ def test_sixteen_concurrent_streams_equal_the_offline_engine(server, offline):
 def test_client_disconnect_mid_stream_frees_blocks(server):
     base, state = server
     aborted = state.engine.aborted
-    body = {"model": MODEL, "messages": HI, "max_tokens": 400, "stream": True, "temperature": 1.0}
+    body = {"model": MODEL, "messages": HI, "max_tokens": 400, "stream": True, "temperature": 1.0, "seed": 0}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -212,6 +212,19 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
         assert time.time() < deadline, "the request was not aborted after the client left"
         time.sleep(0.05)
     assert used > 0
+    assert _engine(state, lambda: state.llm.engine.scheduler.pool.used_count) == 0
+
+
+def test_client_gone_before_a_non_streaming_answer_aborts_it(server):
+    base, state = server
+    aborted = state.engine.aborted
+    body = {"model": MODEL, "messages": HI, "max_tokens": 400, "temperature": 1.0, "seed": 0}  # runs 400 tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    deadline = time.time() + 30
+    while state.engine.aborted == aborted or state.engine.num_admitted:
+        assert time.time() < deadline, "the request was not aborted after the client left"
+        time.sleep(0.05)
     assert _engine(state, lambda: state.llm.engine.scheduler.pool.used_count) == 0
 
 
