@@ -395,6 +395,8 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(items)
         else:
+            if isinstance(sampling_params, dict) or not hasattr(sampling_params, "__iter__"):
+                raise RequestError("sampling_params", "must be a SamplingParams or a list of them (one per prompt)")
             params = list(sampling_params)
             if len(params) != len(items):
                 raise RequestError("sampling_params", f"{len(params)} given for {len(items)} prompts")
