@@ -386,6 +386,27 @@ class LLM:
             self._save_online_profiles()
         return [done[rid] for rid in rids]
 
+    def generate_stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None):
+        """Like ``generate``, as an iterator of ``RequestOutput`` deltas (``engine.streaming``: new
+        tokens and text per step, the last one ``finished``) for all prompts, interleaved; match them
+        by ``request_id``. Steps in the calling thread; closing the iterator aborts what still runs."""
+        from deepinfer_jax.engine.streaming import stream_requests
+
+        items = self._prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            if isinstance(sampling_params, dict) or not hasattr(sampling_params, "__iter__"):
+                raise RequestError("sampling_params", "must be a SamplingParams or a list of them (one per prompt)")
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise RequestError("sampling_params", f"{len(params)} given for {len(items)} prompts")
+        requests = []
+        for item, sp in zip(items, params):
+            text, ids = self._prompt(item)
+            requests.append((ids, sp, text))
+        return stream_requests(self.engine, requests)
+
     @staticmethod
     def _prompt_list(prompts) -> list:
         if isinstance(prompts, (str, dict)):

@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "deepinfer_jax"
 HOST_PACKAGES = ("deepinfer_jax.checkpoint", "deepinfer_jax.engram_vocab", "deepinfer_jax.tokenizer", "tokenizers",
                  "deepinfer_jax.engine", "deepinfer_jax.cache", "deepinfer_jax.recipe", "torch", "nemo_automodel")
 HOST_MODULES = ["engram_vocab.py", "tokenizer.py", "chat_grammar.py", "parallel/eplb.py", "parallel/eplb_policy.py",
-                *[str(p.relative_to(PKG)) for d in ("checkpoint", "cache", "config", "engine", "recipe")
+                *[str(p.relative_to(PKG)) for d in ("checkpoint", "cache", "config", "engine", "recipe", "serve")
                   for p in sorted((PKG / d).rglob("*.py"))]]
 DEVICE_MODULES = [f"model/{p.name}" for p in (PKG / "model").glob("*.py")] + [
     "parallel/ep_moe.py", "parallel/ep_model.py", "parallel/weight_moves.py", "parallel/mesh.py"] + [
