@@ -202,6 +202,14 @@ def test_dry_run_validates_everything_and_runs_nothing(tiny, mixed):
     assert len(out.getvalue().splitlines()) == len(BAD) and tiny.engine.stats.steps == steps
 
 
+def test_cli_dry_run_exits_1_and_prints_the_invalid_records(mixed, capsys):
+    flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items()), [])
+    assert main(["-i", str(mixed), "--model", "tiny", "--dry-run", *flags]) == 1
+    captured = capsys.readouterr()
+    printed = [json.loads(x) for x in captured.out.splitlines()]
+    assert len(printed) == len(BAD) and f"{len(GOOD)} records valid, {len(BAD)} invalid" in captured.err
+
+
 def test_shard_settings_are_checked():
     assert Shard.parse("1/3") == Shard(1, 3)
     for bad in ("3/3", "1", "a/b", "-1/2"):
@@ -238,6 +246,7 @@ def test_cli_usage_errors_exit_2_naming_the_problem(tmp_path, capsys):
                          (["--max-records", "-1"], "--max-records")):
         assert main(["-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny", *argv]) == 2
         assert needle in capsys.readouterr().err
+    assert main(["-i", str(src), "--model", "tiny"]) == 2 and "--output" in capsys.readouterr().err
     assert main(["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny",
                  "--no-progress", *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items()), [])]) == 2
     assert "is not a file" in capsys.readouterr().err

@@ -9,8 +9,9 @@
 - ``ray_data``: ``ray_map(dataset)`` / ``BatchPredictor`` for Ray Data's ``map_batches`` (optional
   ``ray`` extra; imported only when used).
 
-Not supported: ``stream: true`` bodies (an error record), ``n`` > 1, a mesh spanning several
-processes (each process is its own data shard), batch-wide cancellation or expiry windows.
+Not supported: ``stream: true`` bodies (an error record), ``n`` > 1 (refused by the protocols, as
+``LLM.chat`` refuses it), a mesh spanning several processes (each process is its own data shard),
+the Batch API's batch objects (cancellation, expiry windows, file ids): this is the file format only.
 """
 
 from deepinfer_jax.batch.driver import Result, results

@@ -33,7 +33,8 @@ def _run_parser() -> argparse.ArgumentParser:
                                 "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages) through an "
                                 "offline engine; resumable. 'deepinfer-batch merge -h' for joining shard parts.")
     p.add_argument("-i", "--input", required=True, help="the requests file (JSONL)")
-    p.add_argument("-o", "--output", required=True, help="the results file (JSONL; appended, resumed on re-run)")
+    p.add_argument("-o", "--output", default=None, help="the results file (JSONL; appended, resumed on re-run); "
+                                                         "required unless --dry-run")
     p.add_argument("--model", default=None, help="a checkpoint directory or a preset name (default: the shipped "
                                                  "checkpoint)")
     p.add_argument("--dtype", default="float32", help="parameter dtype (LLM's dtype)")
@@ -85,6 +86,8 @@ def _shard(args) -> Shard | None:
 
 def _run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
+    if args.output is None and not args.dry_run:
+        raise BatchError("--output", "is required (the results file) unless --dry-run")
     shard = _shard(args)
     settings = engine_settings(args)
     if args.max_records is not None and args.max_records < 0:
