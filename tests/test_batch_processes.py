@@ -21,8 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
+# one step shape (a bucket each): every process loads one compiled program from the persistent cache
 SETTINGS = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=128, chunking="tokens",
-                speculation="none")
+                speculation="none", token_buckets="32", request_buckets="4")
 N = 32
 
 
@@ -33,7 +34,7 @@ def records():
 
 
 def cli(src, out, *extra, env=None):
-    flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in SETTINGS.items()), [])
+    flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in SETTINGS.items()), [])  # as a user types them
     log = open(f"{out}.log", "ab")  # the shards share one log
     return subprocess.Popen([sys.executable, "-m", "deepinfer_jax.batch", "-i", str(src), "-o", str(out), "--model",
                              "tiny", "--no-progress", *flags, *extra], cwd=ROOT, env={**os.environ, **(env or {})},
@@ -102,11 +103,12 @@ def test_ray_data_with_two_actors_gives_the_cli_results(runs):
     ray = pytest.importorskip("ray")
     from deepinfer_jax.batch import ray_map
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         ds = ray.data.read_text(str(runs["src"]))
-        out = ray_map(ds, model="tiny", concurrency=2, batch_size=12, **SETTINGS).take_all()
+        settings = {**SETTINGS, "token_buckets": (32,), "request_buckets": (4,)}
+        out = ray_map(ds, model="tiny", concurrency=2, batch_size=12, num_cpus=0.5, **settings).take_all()
     finally:
         ray.shutdown()
     assert len(out) == N and all(row["ok"] for row in out)

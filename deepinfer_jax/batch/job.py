@@ -159,8 +159,10 @@ def _log(msg: str, stream: TextIO | None) -> None:
 
 
 def run_job(llm: LLM, input, output, *, shard: Shard | None = None, max_records: int | None = None,
-            progress: bool = True, log: TextIO | None = sys.stderr) -> Summary:
-    """Run a batch file (see the module docstring); returns the ``Summary`` (also printed to ``log``)."""
+            progress: bool = True, log: TextIO | None | str = "stderr") -> Summary:
+    """Run a batch file (see the module docstring); returns the ``Summary`` (also printed to ``log``:
+    a stream, None for silence, default ``sys.stderr`` as it is at the call)."""
+    log = sys.stderr if log == "stderr" else log
     if not os.path.isfile(input):
         raise BatchError("--input", f"{input} is not a file")
     sharded = shard is not None and shard.count > 1
@@ -201,9 +203,12 @@ def run_job(llm: LLM, input, output, *, shard: Shard | None = None, max_records:
 
 
 def dry_run(llm: LLM, input, *, shard: Shard | None = None, max_records: int | None = None,
-            out: TextIO | None = sys.stdout, log: TextIO | None = sys.stderr) -> Summary:
+            out: TextIO | None | str = "stdout", log: TextIO | None | str = "stderr") -> Summary:
     """Validate every record of this shard (parsing, conversion, encoding, the engine's checks,
-    grammars compiled) without running any; each invalid record's error line goes to ``out``."""
+    grammars compiled) without running any; each invalid record's error line goes to ``out``
+    (default ``sys.stdout``), the count to ``log`` (default ``sys.stderr``)."""
+    out = sys.stdout if out == "stdout" else out
+    log = sys.stderr if log == "stderr" else log
     if not os.path.isfile(input):
         raise BatchError("--input", f"{input} is not a file")
     t0 = time.perf_counter()
