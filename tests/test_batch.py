@@ -17,6 +17,7 @@ import pytest
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.batch import BatchError, Shard, dry_run, files, parse_line, results, run_job
 from deepinfer_jax.batch.cli import main
+from deepinfer_jax.batch.job import shard_records
 from deepinfer_jax.batch.settings import add_engine_options, engine_settings
 
 TINY = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=128, chunking="tokens")
@@ -192,6 +193,23 @@ def test_the_engine_is_fed_as_it_drains(tiny):
         seen += 1
         assert len(pulled) - seen <= 4  # never more than the window waits in the engine
     assert seen == 40 and not tiny.engine.requests
+
+
+def test_the_input_streams_from_disk(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    pad = "x" * 1000  # 2 x 10^4 lines of ~1 KB: a 20 MB file
+    with open(path, "w") as f:
+        for i in range(20_000):
+            f.write(json.dumps(completion(f"r{i}", [1, 2], suffix=pad)) + "\n")
+    tracemalloc.start()
+    try:
+        n = sum(1 for _ in shard_records(path, Shard(1, 2)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == 10_000 and peak < 6 << 20  # the custom_ids seen (for duplicates), never the file's 20 MB
 
 
 def test_dry_run_validates_everything_and_runs_nothing(tiny, mixed):
