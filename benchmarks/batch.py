@@ -38,7 +38,8 @@ NAMES = ["len", "sorted", "zip", "map", "filter", "enumerate", "range", "open", 
 def make_file(path: Path, n: int, max_tokens: int) -> None:
     with open(path, "w") as f:
         for i in range(n):
-            question = f"Question {i}: what does {NAMES[i % len(NAMES)]}() do with {['lists', 'strings', 'dicts', 'files'][i // len(NAMES) % 4]}?"
+            kind = ["lists", "strings", "dicts", "files"][i // len(NAMES) % 4]
+            question = f"Question {i}: what does {NAMES[i % len(NAMES)]}() do with {kind}?"
             body = {"model": "DeepSeek-V4.1-Flash", "max_tokens": max_tokens, "temperature": 0,
                     "thinking": {"type": "disabled"},
                     "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}

@@ -296,6 +296,9 @@ CHAT = [
                                   "messages": [{"role": "user", "content": "Say hi."}]}),
     ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                                       "tool_choice": "required", "thinking": {"type": "disabled"}}),  # 400
+    ("/v1/chat/completions", "chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                      "thinking": {"type": "disabled"}, "response_format": {"type": "regex",
+                                                                                            "regex": "(["}}),  # 400
 ]
 
 
@@ -306,14 +309,17 @@ def test_chat_protocol_records_answer_as_llm_chat_does(tmp_path):
                                                "body": {"model": "DeepSeek-V4.1-Flash", **body}}
                                               for i, (url, _, body) in enumerate(CHAT)])
     summary = run_job(llm, src, tmp_path / "out.jsonl", progress=False, log=None)
-    assert (summary.ok, summary.failed) == (len(CHAT) - 1, 1)
+    assert (summary.ok, summary.failed) == (len(CHAT) - 2, 2)
     got = {r["custom_id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
-    for i, (_, protocol, body) in enumerate(CHAT[:-1]):
+    for i, (_, protocol, body) in enumerate(CHAT[:-2]):
         want = llm.chat({"model": "DeepSeek-V4.1-Flash", **body}, protocol)
         r = got[f"c{i}"]
         assert r["response"]["status_code"] == 200 and r["response"]["request_id"] == r["response"]["body"]["id"]
-        assert no_cache(masked(r)["response"]["body"]) == no_cache(masked({"response": {"request_id": 0, "body": want}})[
-            "response"]["body"]), protocol  # LLM.chat ran second: its prompt hit the prefix cache
+        want = masked({"response": {"request_id": 0, "body": want}})["response"]["body"]
+        assert no_cache(masked(r)["response"]["body"]) == no_cache(want), protocol  # LLM.chat ran second: a hit
     assert "warning" in got["c3"]["response"]["body"]  # the reasoning budget ran out, as LLM.chat says
-    err = got[f"c{len(CHAT) - 1}"]["response"]
+    err = got[f"c{len(CHAT) - 2}"]["response"]
     assert err["status_code"] == 400 and err["body"]["error"]["param"] == "tool_choice"
+    err = got[f"c{len(CHAT) - 1}"]["response"]  # a regex that does not compile: refused before anything runs
+    assert err["status_code"] == 400 and err["body"]["error"]["param"] == "response_format"
+    assert "invalid regex" in err["body"]["error"]["message"]

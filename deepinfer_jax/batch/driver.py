@@ -61,8 +61,11 @@ def _prepare(llm: LLM, record: BatchRecord) -> _Prepared:
         ids = llm.engine.validate(pr.ids, pr.params)  # grammars compile here: errors before anything runs
         return _Prepared(ids, pr.params, lambda out: final_response(
             llm, pr, out.outputs[0].token_ids, out.outputs[0].finish_reason, out.num_cached_tokens))
-    except RequestError as e:
-        raise ConversionError(str(e), param=e.field) from None
+    except RequestError as e:  # the engine's field names; a grammar that does not compile is the request's format
+        field = e.field
+        if field.startswith("structured_output") and "response_format" in (record.body or {}):
+            field = "response_format"
+        raise ConversionError(str(e), param=field) from None
 
 
 def _failure(record: BatchRecord, e: Exception) -> Result:
