@@ -40,6 +40,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/dp_engine.py
 	$(PY) benchmarks/spec_decode.py
 	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/batch.py
 
 # Regenerate the shipped seeded random `small` checkpoint (deterministic).
 checkpoint: $(VENV)/.runtime
