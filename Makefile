@@ -29,6 +29,7 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.test
+	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/forward.py
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/offline_throughput.py

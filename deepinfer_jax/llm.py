@@ -277,8 +277,9 @@ class LLM:
         _atomic_json(path, {"tables": [t.to_json() for t in tables], "source": "profiled"})
         return tables
 
-    def _save_online_profiles(self) -> None:
-        """Write what the lazily started engine measured online (cost model, step-time tables)."""
+    def save_profiles(self) -> None:
+        """Write what a lazily started engine fitted online (cost model, step-time tables) to the profile
+        cache; ``generate`` calls it after each call, other drivers of ``llm.engine`` after their work."""
         for what, path in list(self._online_saves.items()):
             try:
                 if what == "cost_model":
@@ -383,7 +384,7 @@ class LLM:
         for rid in rids:
             self.engine.requests.pop(rid, None)
         if self._online_saves:
-            self._save_online_profiles()
+            self.save_profiles()
         return [done[rid] for rid in rids]
 
     def generate_stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None):

@@ -188,7 +188,7 @@ def run_job(llm: LLM, input, output, *, shard: Shard | None = None, max_records:
                                 refresh=False)
         bar.close()
     if getattr(llm, "_online_saves", None):  # what the engine fitted online (cost model, step times), as generate
-        llm._save_online_profiles()
+        llm.save_profiles()
     summary.skipped = skipped[0] if skipped else 0
     if sharded:
         files.done_marker(output, shard.index, shard.count).write_text(json.dumps({"max_records": max_records}))

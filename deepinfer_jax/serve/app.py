@@ -91,6 +91,7 @@ def build_app(llm, *, api_key: str | None = None, max_queued: int = 256, served_
             yield
         finally:
             state.engine.stop()
+            llm.save_profiles()  # what a lazily started engine fitted online, for the next start
 
     app = FastAPI(title="deepinfer-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
