@@ -55,35 +55,17 @@ def child_engine(precompile: str, profile_dir: str) -> dict:
 
 
 def child_nemo() -> dict:
-    import numpy as np
     import torch
-    from flax import nnx
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import nemo_oracle
-    from nemo_automodel.components.models.common import BackendConfig
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from transformers import PreTrainedTokenizerFast
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from forward import nemo_model  # NeMo's port built with this checkpoint's decoded weights
 
     from deepinfer_jax.checkpoint import load_hf_checkpoint
-    from deepinfer_jax.checkpoint.hf_export import tree_to_hf_tensors
     from deepinfer_jax.llm import DEFAULT_CHECKPOINT
-    from deepinfer_jax.engram_vocab import deepseek_v4_tokenizer_path
     from deepinfer_jax.tokenizer import load_tokenizer
 
-    torch.set_num_threads(os.cpu_count() or 1)
     cfg, params = load_hf_checkpoint(DEFAULT_CHECKPOINT, progress=False)
-    hf = cfg.replace(dtype="float32").to_hf_config(vision_config={"num_hidden_layers": 0})
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(deepseek_v4_tokenizer_path()))
-    model = DeepseekV41ForCausalLM(
-        nemo_oracle.nemo_config.DeepseekV41Config(**{**hf, "vision_config": {"num_hidden_layers": 0}}),
-        backend=BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",
-                              dispatcher="torch"), tokenizer=tok)
-    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
-    tree = nnx.to_pure_dict(params)
-    tree.pop("engram_token_map", None)
-    nemo_oracle.load_native_state_dict(model.eval(), tree_to_hf_tensors(cfg, tree, quantize=False,
-                                                                         plain_dtype=np.float32))
+    model = nemo_model(cfg, params)
     ours_tok = load_tokenizer(DEFAULT_CHECKPOINT)
     tokens = []
     with torch.no_grad():
@@ -123,7 +105,6 @@ def child_bucket() -> dict:
     """Trace/lower, compile and optimized-HLO size of one plain and one speculative step bucket
     (this process's deepinfer_jax: the tree or the baseline worktree on PYTHONPATH)."""
     import jax
-    import numpy as np
 
     from deepinfer_jax.checkpoint import load_hf_checkpoint, load_hf_drafter
     from deepinfer_jax.config import CacheConfig
@@ -153,7 +134,6 @@ def child_bucket() -> dict:
     t0 = time.perf_counter()
     spec.sample(spec._dispatch([], 0, True, 64, 4, 8)).result()  # both speculative programs, traced and compiled
     out["spec"] = {"first_step_s": time.perf_counter() - t0}
-    del np
     return out
 
 
