@@ -170,7 +170,7 @@ def main() -> None:
     ratio = server["tok_per_s"] / off["tok_per_s"]
     print(f"serve load: {args.requests} requests, {args.concurrency} concurrent clients, max_tokens {args.max_tokens}, "
           f"engine {ENGINE}")
-    print(f"start-up (process start -> /health 200): " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
+    print("start-up (process start -> /health 200): " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
           + f"; first request after it: {first_request_s * 1e3:.0f} ms (TTFT {first['ttft'] * 1e3:.0f} ms)")
     print(f"{'':10} {'wall s':>8} {'tokens':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
           f"{'TPOT p99':>9}")

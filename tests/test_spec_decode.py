@@ -20,7 +20,6 @@ from test_paged_step import CFG, robust_params
 from test_spec_engine import select_counts_np
 
 from deepinfer_jax import LLM, SamplingParams
-from deepinfer_jax.cache import BlockPool, RequestBlocks
 from deepinfer_jax.config import CacheConfig, EngineConfig
 from deepinfer_jax.engine.spec_policy import FixedPolicy
 from deepinfer_jax.model import speculative as S
