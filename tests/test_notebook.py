@@ -16,7 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 def _text(cell) -> str:
-    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", []))
+    """The cell's standard output and results (progress bars go to stderr)."""
+    return "".join(o.get("text", "") if o.get("output_type") == "stream" and o.get("name") == "stdout"
+                   else o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") in ("stream", "execute_result"))
 
 
 def test_the_generate_notebook_runs_and_agrees_with_the_engine():
