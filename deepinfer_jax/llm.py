@@ -185,6 +185,8 @@ class LLM:
             self.runner = DPRunner(cfg, params, cache_cfg, self.mesh, self.sharding_preset, buckets,
                                    num_top_logprobs=ec.max_logprobs)
         self._online_saves: dict[str, Path] = {}  # profiles fitted online, saved after each generate
+        if hasattr(self.runner, "bucket_use"):  # lazy: short runs reuse a compiled larger bucket (BucketUse)
+            self.runner.bucket_use.lazy = ec.precompile == "lazy"
         if ec.precompile == "all":
             with tqdm(desc="compiling step buckets", unit="bucket", disable=not use_tqdm) as bar:
                 self.runner.precompile(sampling=True, progress=_bar_progress(bar))

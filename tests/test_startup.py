@@ -121,3 +121,17 @@ def test_unmeasured_step_times_take_their_first_sample_and_estimate_the_rest():
     assert back.times == draft.times and back.measured == draft.measured
     with pytest.raises(ValueError, match="buckets"):
         StepTimes.from_json(draft.to_json(), (4, 8))
+
+
+def test_lazy_buckets_pad_into_a_compiled_bucket_until_one_is_wanted_often():
+    from deepinfer_jax.runner.buckets import BucketUse
+
+    eager = BucketUse((8, 32, 64))
+    assert [eager.choose(n, 4, 2) for n in (8, 32, 8)] == [8, 32, 8]  # always the tightest bucket
+    lazy = BucketUse((8, 32, 64), lazy=True, compile_after=3)
+    assert lazy.choose(8, 4, 2) == 64  # nothing compiled: the largest, which every later step fits
+    assert lazy.choose(32, 4, 2) == 64 and lazy.choose(8, 4, 2) == 64
+    assert lazy.choose(8, 4, 2) == 8  # the third want of 8 compiles it
+    assert lazy.choose(8, 4, 2) == 8 and lazy.choose(32, 4, 2) == 64
+    assert lazy.choose(8, 2, 2) == 64  # another request width has its own compiled set
+    assert lazy.compiled == {(64, 4, 2), (8, 4, 2), (64, 2, 2)}

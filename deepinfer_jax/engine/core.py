@@ -239,6 +239,8 @@ class EngineCore:
             else:
                 logprobs = any(c.request.logprobs is not None for c in plan.chunks)
                 fwd = self.runner.forward(specs, vplan.budget, draft, logprobs)
+                if getattr(fwd, "tokens", 0) > planned.tokens:  # ran padded in a larger (compiled) bucket:
+                    planned.tokens = fwd.tokens  # its time is that bucket's
             launched = _InFlight(plan, None, time.perf_counter(), spec=planned, started=t0)
             if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
                 prev.compiled = True

@@ -76,6 +76,7 @@ class SpecForward:
     rows: int  # the request bucket (the mask's rows)
     draft: bool
     logprobs: bool = True
+    tokens: int = 0  # the token bucket the step ran in
 
 
 class SpecPending:
@@ -152,6 +153,7 @@ class SpecRunner(ModelRunner):
         if progress is not None:
             progress(0, len(shapes))
         for i, (n, r, b, *d) in enumerate(shapes):
+            self.bucket_use.compiled.add((n, r, b))
             self.sample(self._dispatch([], 0, True, n, r, b, *d)).result()
             if progress is not None:
                 progress(i + 1, len(shapes))
@@ -182,8 +184,9 @@ class SpecRunner(ModelRunner):
             b = Buckets.pick(self.buckets.blocks, max(len(c.block_table) for c in chunks), "block_table length")
         except ValueError as e:
             raise StepInputError(str(e)) from None
+        n = self.bucket_use.choose(n, r, b)
         fwd = self._dispatch(chunks, budget, draft, n, r, b)
-        fwd.logprobs = logprobs
+        fwd.logprobs, fwd.tokens = logprobs, n
         return fwd
 
     def sample(self, fwd: SpecForward, mask: np.ndarray | None = None) -> SpecPending:
