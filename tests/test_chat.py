@@ -82,7 +82,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON
 
 
 def test_thinking_default_is_the_engine_setting(llm):
-    assert llm.engine_config.default_thinking_mode is True  # the official default, documented in the README
+    assert llm.engine_config.default_thinking_mode is True  # the official default, documented in docs/usage.md
     assert llm.conversion_options.default_thinking_mode is True
     body = {"model": "DeepSeek-V4.1-Flash", "messages": ASK, "tools": WEATHER, "tool_choice": "required",
             "max_tokens": 60, "temperature": 0}
