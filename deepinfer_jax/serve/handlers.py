@@ -58,6 +58,14 @@ class Run:
                 self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             yield d
 
+    async def drain(self) -> None:
+        """Run the request to its end (non-streaming answers), then ``close``."""
+        try:
+            async for _ in self.deltas():
+                pass
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Abort the request unless it finished; record its metrics (once)."""
         if self._closed:
@@ -88,11 +96,7 @@ def _finish(engine_reason: str | None) -> str:
 # ---- recipe protocols ----
 async def recipe_response(state, prepared, run: Run) -> dict:
     """The protocol's final response JSON."""
-    try:
-        async for _ in run.deltas():
-            pass
-    finally:
-        run.close()
+    await run.drain()
     return final_response(state.llm, prepared, run.tokens, run.finish_reason, run.cached)
 
 
@@ -143,11 +147,7 @@ def stream_error(protocol: str, e: BaseException) -> str:
 
 # ---- /v1/completions ----
 async def completion_json(state, prepared, run: Run) -> dict:
-    try:
-        async for _ in run.deltas():
-            pass
-    finally:
-        run.close()
+    await run.drain()
     out = RequestOutput(run.stream.request_id, prepared.prompt, prepared.ids,
                         [CompletionOutput(0, "".join(run.text), run.tokens, run.finish_reason, run.stop_reason,
                                           run.logprobs)], True, run.cached)
