@@ -15,8 +15,9 @@ keywords such as ``maxLength``.
 
 Refused here with a ``recipe.ConversionError`` (400) naming the field in ``param``, although the
 official conversion accepts them: ``tool_choice`` "required" / a named tool / Messages ``any`` or
-``tool`` without any tool (the official library silently answers as ``auto``), and ``logprobs`` /
-``top_logprobs`` (``LLM.chat`` does not return logprobs; ``LLM.generate`` does).
+``tool`` without any tool (the official library silently answers as ``auto``), ``top_logprobs``
+above the engine's ``max_logprobs``, and logprobs in the Responses protocol (only Chat Completions
+returns them here: ``chat_logprobs``).
 
 A thinking-mode request whose output ends with ``finish_reason`` "length" before the reasoning
 ended (so no content or tool call was generated) gets a ``warning`` object in its response (and on
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer_jax import recipe
 from deepinfer_jax.chat_grammar import structured_output_for
+from deepinfer_jax.chat_logprobs import attach, chat_logprobs
 from deepinfer_jax.engine import SamplingParams
 from deepinfer_jax.recipe.stream import ParseOptions, StreamEvent, StreamOptions, StreamParser, responses_echo
 
@@ -62,16 +64,19 @@ def _forced_tool_choice(body: dict, protocol: str) -> bool:
     return choice == "required" or isinstance(choice, dict)
 
 
-def _check_supported(req, body: dict, protocol: str) -> None:
+def _check_supported(req, body: dict, protocol: str, max_logprobs: int) -> None:
     """The requests ``LLM.chat`` refuses although the official conversion accepts them."""
     if _forced_tool_choice(body, protocol) and not req.conversation.tools:
         raise recipe.ConversionError("tool_choice: a required or named tool choice needs at least one tool in "
                                      "'tools'", param="tool_choice")
     io = req.inference_options
-    if io.logprobs or io.top_logprobs:
-        field = "logprobs" if io.logprobs else "top_logprobs"
-        raise recipe.ConversionError(f"{field}: LLM.chat does not return logprobs; use LLM.generate with "
-                                     "SamplingParams(logprobs=k)", param=field)
+    if protocol != "chat" and (io.logprobs or io.top_logprobs):
+        field = "top_logprobs" if protocol == "responses" or not io.logprobs else "logprobs"
+        raise recipe.ConversionError(f"{field}: only Chat Completions requests return logprobs here; use "
+                                     "LLM.generate with SamplingParams(logprobs=k)", param=field)
+    if io.logprobs and (io.top_logprobs or 0) > max_logprobs:
+        raise recipe.ConversionError(f"top_logprobs: at most {max_logprobs} (the engine's max_logprobs), got "
+                                     f"{io.top_logprobs}", param="top_logprobs")
 
 
 def _grammar_constraint(req):
@@ -105,22 +110,29 @@ def prepare(llm: LLM, request: Any, protocol: str) -> PreparedRequest:
 
 
 def final_response(llm: LLM, prepared: PreparedRequest, token_ids, finish_reason: str | None,
-                   cached_tokens: int = 0) -> dict:
+                   cached_tokens: int = 0, logprobs=None) -> dict:
     """The protocol's final response JSON (as the official library's ``to_json()``) for the generated
     ``token_ids`` of ``prepared``; ``finish_reason`` is the engine's ("length" or a stop), and
-    ``cached_tokens`` the prompt tokens served from the prefix cache (reported in usage)."""
+    ``cached_tokens`` the prompt tokens served from the prefix cache (reported in usage).
+    ``logprobs`` (the engine's, one per token) become the Chat choice's ``logprobs`` when the
+    request asked for them (``chat_logprobs``)."""
     parser = prepared.parser(llm, accumulate=True)
     parser.ready(prompt_tokens=len(prepared.ids), cache_hit_tokens=cached_tokens)
     eos = llm.engine.eos_token_id
+    parsed = 0
     for token in token_ids:
         if token == eos or parser.finished:  # generation ended there; the end of sequence is not text
             break
         parser.push_ids([token])
+        parsed += 1
     finish = None
     if not parser.finished:
         finish = "length" if finish_reason == "length" else "stop"
         parser.finish(finish)
     resp = parser.response()
+    top = prepared.params.logprobs
+    if top is not None and logprobs is not None and resp.get("choices"):
+        resp["choices"][0]["logprobs"] = chat_logprobs(llm.tokenizer, logprobs[:parsed], top)
     warning = budget_warning(llm, prepared.params, prepared.options, token_ids, finish)
     if warning is not None:
         resp["warning"] = warning
@@ -130,7 +142,7 @@ def final_response(llm: LLM, prepared: PreparedRequest, token_ids, finish_reason
 def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], SamplingParams, StreamOptions]:
     req = recipe.convert_request(request, protocol, llm.conversion_options)
     body = _body(request)
-    _check_supported(req, body, protocol)
+    _check_supported(req, body, protocol, llm.engine.max_logprobs)
     tokenizer = llm.prompt_tokenizer
     ids = recipe.encode_rendered(recipe.render(req.conversation, req.model_version), tokenizer)
     max_tokens = req.resolve_max_tokens(len(ids), llm.max_model_len)  # ConversionError past the context
@@ -140,7 +152,8 @@ def _prepare(llm: LLM, request: Any, protocol: str) -> tuple[list[int], Sampling
                                        llm.tokenizer, v41=req.model_version.is_v41)
     params = SamplingParams(temperature=1.0 if io.temperature is None else float(io.temperature),
                             top_p=1.0 if io.top_p is None else float(io.top_p), max_tokens=max_tokens,
-                            stop=list(po.stop_sequences) or None, seed=io.seed, structured_output=constraint)
+                            stop=list(po.stop_sequences) or None, seed=io.seed, structured_output=constraint,
+                            logprobs=(io.top_logprobs or 0) if io.logprobs else None)
     parse = ParseOptions(parse_tool_calls=po.parse_tool_calls, starts_in_tool_calls=po.starts_in_tool_calls,
                          parse_json_output=po.parse_json_output, thinking_stage=stage,
                          stop_sequences=tuple(po.stop_sequences))
@@ -176,19 +189,27 @@ def chat_stream(llm: LLM, request: Any, protocol: str = "chat") -> Iterator[Stre
     req = engine.requests[rid]
     yield from parser.ready(prompt_tokens=len(ids), cache_hit_tokens=0)
     seen, eos = 0, engine.eos_token_id
+    pending = []  # logprobs of tokens whose text no chunk has shown yet
+    top = params.logprobs
     try:
         while not req.finished:
             engine.step()
             new = req.output_ids[seen:]
+            lps = req.logprobs[seen:] if req.logprobs is not None else []
             seen += len(new)
-            new = [t for t in new if t != eos]  # the end of sequence ends generation; it is not text
-            if new and not parser.finished:
-                yield from parser.push_ids(new)
+            keep = [k for k, t in enumerate(new) if t != eos]  # the end of sequence ends generation; it is not text
+            if keep and not parser.finished:
+                if top is not None:
+                    pending += [lps[k] for k in keep]
+                events = parser.push_ids([new[k] for k in keep])
+                yield from attach(events, pending, llm.tokenizer, top) if top is not None else events
             if parser.finished and not req.finished:  # the parser saw a stop sequence
                 engine.abort(rid)
         if not parser.finished:
             finish = "length" if req.finish_reason == "length" else "stop"
             events = parser.finish(finish)
+            if top is not None:
+                events = attach(events, pending, llm.tokenizer, top)
             warning = budget_warning(llm, params, options, req.output_ids, finish)
             if warning is not None and events:
                 events[-1] = StreamEvent({**events[-1].data, "warning": warning}, events[-1].event)
@@ -204,4 +225,4 @@ def chat(llm: LLM, request: Any, protocol: str = "chat") -> dict:
     prepared = prepare(llm, request, protocol)
     result = llm.generate({"prompt_token_ids": prepared.ids}, prepared.params, use_tqdm=False)[0]
     out = result.outputs[0]
-    return final_response(llm, prepared, out.token_ids, out.finish_reason, result.num_cached_tokens)
+    return final_response(llm, prepared, out.token_ids, out.finish_reason, result.num_cached_tokens, out.logprobs)

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from deepinfer_jax import LLM, recipe
+from deepinfer_jax.chat import prepare
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +132,35 @@ def test_chat_refuses_what_it_would_silently_ignore(llm):
         llm.chat({**base, "tool_choice": "required"})
     assert e.value.param == "tool_choice" and "tool_choice" in e.value.message
     with pytest.raises(recipe.ConversionError) as e:
-        llm.chat({**base, "logprobs": True})
-    assert e.value.param == "logprobs"
+        llm.chat({**base, "logprobs": True, "top_logprobs": 6})  # the engine keeps 5
+    assert e.value.param == "top_logprobs" and "max_logprobs" in e.value.message
+    with pytest.raises(recipe.ConversionError) as e:
+        llm.chat({"model": "DeepSeek-V4.1-Flash", "input": "hi", "top_logprobs": 2}, "responses")
+    assert e.value.param == "top_logprobs"
     with pytest.raises(recipe.ConversionError) as e:
         llm.chat({"model": "DeepSeek-V4.1-Flash", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}},
                  "messages")
     assert e.value.param == "tool_choice"
+
+
+def test_chat_logprobs_are_the_engines_in_openai_shape(llm):
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": ASK, "thinking": {"type": "disabled"}, "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    resp = llm.chat(body)
+    prepared = prepare(llm, body, "chat")
+    ref = llm.generate({"prompt_token_ids": prepared.ids}, prepared.params, use_tqdm=False)[0].outputs[0]
+    content = resp["choices"][0]["logprobs"]["content"]
+    eos = llm.engine.eos_token_id
+    tokens = [t for t in ref.token_ids if t != eos]
+    assert len(content) == len(tokens) == resp["usage"]["completion_tokens"] - (eos in ref.token_ids)
+    for entry, lp, t in zip(content, ref.logprobs, tokens):
+        assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-6) and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]  # greedy: the chosen token is the top one
+    raw = b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", "replace")
+    answer = resp["choices"][0]["message"]["content"]  # the parser drops the answer's leading newlines
+    assert answer and raw.endswith(answer) and not raw[: len(raw) - len(answer)].strip()
+    streamed = [c for e in llm.chat_stream({**body, "stream": True}) for c in e.data.get("choices", [])
+                if c.get("logprobs")]
+    assert [x["logprob"] for c in streamed for x in c["logprobs"]["content"]] == [e["logprob"] for e in content]
+    assert "logprobs" not in llm.chat({**body, "logprobs": False, "top_logprobs": None})["choices"][0] or \
+        llm.chat({**body, "logprobs": False, "top_logprobs": None})["choices"][0]["logprobs"] is None

@@ -147,6 +147,40 @@ def test_logprobs_match_the_model(llm, params, fwd):
         assert all(abs(v - ref[k]) < 1e-4 for k, v in lp.top.items())
 
 
+def test_prompt_logprobs_agree_with_the_generated_ones_and_the_model(llm, params, fwd):
+    p = _prompts(6, 1, 20, 21)[0]
+    gen = _run(llm, [p], SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True))[0]
+    assert gen.prompt_logprobs is None  # off unless asked
+    g = gen.outputs[0]
+    seq = p + g.token_ids[:-1]
+    scored = _run(llm, [seq], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))[0]
+    plp = scored.prompt_logprobs
+    assert len(plp) == len(seq) and plp[0] is None
+    assert [e.token_id for e in plp[1:]] == seq[1:]
+    # the paged step's logprobs of the greedy tokens = the full pass's at those prompt positions
+    for j, lp in enumerate(g.logprobs[:-1]):
+        e = plp[len(p) + j]
+        assert e.token_id == lp.token_id and abs(e.logprob - lp.logprob) < 1e-4
+        assert list(e.top)[0] == lp.token_id and len(e.top) == 3
+    # and the model's log_softmax at every position (float64 reference from forward_full)
+    padded = np.zeros((1, MAX_LEN), np.int32)
+    padded[0, : len(seq)] = seq
+    logits = np.asarray(fwd(params, CFG, padded))[0].astype(np.float64)
+    for t in range(1, len(seq)):
+        row = logits[t - 1]
+        ref = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert abs(plp[t].logprob - ref[seq[t]]) < 1e-4
+        assert list(plp[t].top) == list(np.argsort(-ref, kind="stable")[:3])
+    streamed = list(llm.generate_stream([{"prompt_token_ids": seq}], SamplingParams(max_tokens=2, prompt_logprobs=1)))
+    assert streamed[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in streamed[1:])
+
+
+@pytest.mark.parametrize("value, message", [(-1, "prompt_logprobs"), (6, "max_logprobs"), (1.5, "prompt_logprobs")])
+def test_bad_prompt_logprobs_are_named(llm, value, message):
+    with pytest.raises(RequestError, match=message):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(prompt_logprobs=value), use_tqdm=False)
+
+
 def test_bad_input_raises_before_anything_runs_and_leaves_running_requests_alone(llm):
     prompts = _prompts(6, 3)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

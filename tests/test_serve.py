@@ -101,6 +101,18 @@ def test_chat_non_streaming_and_streaming(oai):
     assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
 
 
+def test_chat_logprobs_through_the_openai_client(oai):
+    resp = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(t.top_logprobs[0].token == t.token for t in content)  # greedy
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0, logprobs=True,
+                                              top_logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+
+
 def test_tool_call_round_trip(server, oai):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     resp = oai.chat.completions.create(model=MODEL, messages=ask, tools=WEATHER, tool_choice="required",

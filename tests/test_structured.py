@@ -206,3 +206,62 @@ def test_device_unpacking_matches_the_host_layout():
     out = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(mask), jnp.asarray(True)))
     assert np.array_equal(out[want], logits[want]) and np.all(out[~want] == -np.inf)
     assert np.array_equal(np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(mask), jnp.asarray(False))), logits)
+
+
+# ---- finite JSON numbers (engine.finite_numbers) ----
+
+@pytest.mark.parametrize("literal, inf", [
+    ("5.0e661", True), ("5.0e66", False), ("1e308", False), ("2e308", True), ("1e+", False), ("-3.5E400", True),
+    ("1e-400", False), ("9" * 400, False), ("9" * 400 + ".", True), ('"a": 1', False), ("abc", False),
+])
+def test_overflow_rule(literal, inf):
+    from deepinfer_jax.engine.finite_numbers import overflows
+
+    assert overflows(literal) is inf
+
+
+def _digit(tok, d):
+    (t,) = tok.encode(d, add_special_tokens=False).ids
+    return t
+
+
+def test_json_numbers_cannot_overflow_and_the_rule_rolls_back(backend):
+    tok = backend.tokenizer
+    schema = json.dumps({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    m = backend.matcher(backend.compile("json_schema", schema))
+    for t in tok.encode('{"x": 5.0e30', add_special_tokens=False).ids:
+        assert m.consume(t)
+    allowed = _allowed(backend, m)
+    assert allowed[_digit(tok, "7")] and not allowed[_digit(tok, "8")]  # 5e307 is finite, 5e308 is not
+    assert not allowed[_digit(tok, "000")] and allowed[tok.encode("}", add_special_tokens=False).ids[0]]
+    # llguidance alone allows 5.0e308 (the rule is the engine's): the raw grammar mask
+    raw = np.zeros(mask_words(backend.vocab_size), np.int32)
+    m.m.unsafe_compute_mask_ptr(raw.ctypes.data, raw.nbytes)
+    assert np.unpackbits(raw.view(np.uint8), bitorder="little")[_digit(tok, "8")]
+    assert m.consume(_digit(tok, "7"))
+    assert not _allowed(backend, m)[_digit(tok, "0")]  # 5e3070
+    m.rollback(1)
+    assert not _allowed(backend, m)[_digit(tok, "8")] and _allowed(backend, m)[_digit(tok, "7")]
+    # an adversarial walk: always the longest allowed digit token: the number still ends finite
+    ids = tok.encode('{"x": 5.0e', add_special_tokens=False).ids
+    m.rollback(len(tok.encode('{"x": 5.0e30', add_special_tokens=False).ids) - len(ids))
+    digits = sorted((i for i in range(backend.vocab_size) if (s := tok.id_to_token(i)) and s.isdigit() and s.isascii()),
+                    key=lambda i: -len(tok.id_to_token(i)))
+    for _ in range(5):
+        allowed = _allowed(backend, m)
+        pick = next((i for i in digits if allowed[i]), None)
+        if pick is None:
+            break
+        assert m.consume(pick)
+        ids.append(pick)
+    ids += tok.encode("}", add_special_tokens=False).ids
+    assert m.consume(ids[-1]) and len(ids) > len(tok.encode('{"x": 5.0e', add_special_tokens=False).ids) + 1
+    assert np.isfinite(json.loads(tok.decode(ids))["x"])
+
+
+def test_finite_number_rule_only_for_json_constraints(backend):
+    tok = backend.tokenizer
+    m = backend.matcher(backend.compile("regex", r"[0-9]e[0-9]+"))
+    for t in tok.encode("5e66", add_special_tokens=False).ids:
+        assert m.consume(t)
+    assert _allowed(backend, m)[_digit(tok, "1")]  # a regex asks for text, not a JSON number

@@ -96,6 +96,7 @@ class EngineCore:
         self.spec = spec
         self.eos_token_id, self.seed, self.async_scheduling = eos_token_id, seed, async_scheduling
         self.max_logprobs = max_logprobs
+        self._scorer = None  # runner.prompt_scores.PromptScorer, made when a request first asks
         self.vocab_size = runner.cfg.vocab_size
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
@@ -138,6 +139,12 @@ class EngineCore:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise RequestError("logprobs", f"at most {self.max_logprobs} (the engine's max_logprobs), "
                                            f"got {params.logprobs}")
+        if params.prompt_logprobs is not None:
+            if params.prompt_logprobs > self.max_logprobs:
+                raise RequestError("prompt_logprobs", f"at most {self.max_logprobs} (the engine's max_logprobs), "
+                                                      f"got {params.prompt_logprobs}")
+            if getattr(self.runner, "params", None) is None:
+                raise RequestError("prompt_logprobs", "this engine's runner cannot score prompts")
         if params.top_k > self.vocab_size:
             raise RequestError("top_k", f"at most the vocabulary size {self.vocab_size}, got {params.top_k}")
         if params.stop_token_ids and any(i >= self.vocab_size for i in params.stop_token_ids):
@@ -167,8 +174,17 @@ class EngineCore:
                       arrival)
         if params.constraint is not None:
             req.matcher = self.structured.matcher(params.constraint)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = self._prompt_scorer()(ids, params.prompt_logprobs)
         self.requests[rid] = req
         return req
+
+    def _prompt_scorer(self):
+        if self._scorer is None:
+            from deepinfer_jax.runner.prompt_scores import PromptScorer
+
+            self._scorer = PromptScorer(self.runner.cfg, self.runner.params, self.max_logprobs)
+        return self._scorer
 
     def _write_back(self, reads: list) -> None:
         """Newly cached blocks read off the device (and those read when requests ended) -> the lower tiers."""

@@ -62,8 +62,9 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One request's result. ``prompt_logprobs`` has vLLM's name and is always None: prompt
-    logprobs are not computed (the step returns logits for the sampled rows only)."""
+    """One request's result. ``prompt_logprobs`` (vLLM's field): when ``SamplingParams.prompt_logprobs``
+    was set, one entry per prompt token, None for the first, then that token's ``TokenLogprobs``
+    given the tokens before it (``runner.prompt_scores``); None otherwise."""
 
     request_id: str
     prompt: str | None
@@ -72,4 +73,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, compare=False)
-    prompt_logprobs: None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

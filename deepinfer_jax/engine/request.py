@@ -39,6 +39,7 @@ class Request:
         self.prompt, self.prompt_ids, self.params = prompt, list(prompt_ids), params
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs
         self.detok = detok
         self.status = Status.WAITING
         self.num_computed = 0
@@ -110,4 +111,4 @@ class Request:
         metrics = RequestMetrics(self.arrival, self.first_token_time, self.finished_time, len(self.output_ids),
                                  self.num_preemptions)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [completion], self.finished,
-                             self.num_cached_tokens, metrics)
+                             self.num_cached_tokens, metrics, self.prompt_logprobs)

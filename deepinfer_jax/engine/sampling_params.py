@@ -88,6 +88,9 @@ class SamplingParams:
         ``(seed, 0, output position)``, the same whatever else runs; None = the engine's seed with
         the request's own stream id.
     logprobs: return this many top logprobs per generated token (plus the chosen token's); None = off.
+    prompt_logprobs: also score the prompt: per prompt token its logprob and this many top ones
+        (vLLM's field; ``RequestOutput.prompt_logprobs``, first entry None); None = off. Costs one
+        full-sequence pass over the prompt (``runner.prompt_scores``).
     structured_output: constrain the output's format, one of ``{"json_schema": <schema dict or JSON
         text>}``, ``{"json_object": True}`` (any JSON object), ``{"regex": <pattern>}`` or
         ``{"grammar": <Lark grammar, or GBNF when it uses ::=>}``; None = free text. The shape is
@@ -105,6 +108,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_output: dict | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     constraint: tuple[str, str] | None = field(init=False, repr=False)  # (kind, text), see _constraint
@@ -141,6 +145,7 @@ class SamplingParams:
             raise RequestError("seed", f"must be < 2**32, got {seed}")
         set_(self, "seed", seed)
         set_(self, "logprobs", _int("logprobs", self.logprobs, 0, optional=True))
+        set_(self, "prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, 0, optional=True))
         set_(self, "constraint", _constraint(self.structured_output))
 
     @property

@@ -59,8 +59,9 @@ class DeltaTracker:
                                       stop_reason=r.stop_reason if finished else None, logprobs=logprobs)
         metrics = RequestMetrics(r.arrival, r.first_token_time, r.finished_time, len(r.output_ids),
                                  r.num_preemptions)
+        first = self.tokens == len(new_ids)  # the first delta also carries the prompt's logprobs
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, [completion], finished, r.num_cached_tokens,
-                             metrics)
+                             metrics, r.prompt_logprobs if first else None)
 
 
 def stream_requests(engine, requests: Iterable[tuple]) -> Iterator[RequestOutput]:

@@ -18,6 +18,9 @@ each grammar compile happen on first use, not at engine start-up.
 become ``RequestError`` with llguidance's message), mask computation for a step on a worker
 thread (``submit``) so it overlaps with the device running the step, and per-call mask timings
 (``mask_seconds``) for the benchmark.
+
+On top of the grammar, JSON constraints get one rule of the engine's own: no number that parses
+to infinity (``engine.finite_numbers``; llguidance's number terminal is unbounded).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from deepinfer_jax.engine.finite_numbers import NumberGuard, NumberTail, guards_numbers
 from deepinfer_jax.engine.sampling_params import RequestError
 
 __all__ = ["GrammarBackend", "GrammarError", "LLGuidanceBackend", "Matcher", "StructuredOutputs", "mask_words"]
@@ -83,23 +87,43 @@ class GrammarBackend(Protocol):
 class _LLMatcher:
     """An llguidance ``LLMatcher`` behind the ``Matcher`` protocol."""
 
-    def __init__(self, m) -> None:
-        self.m = m
+    def __init__(self, m, numbers: NumberTail | None = None) -> None:
+        self.m, self.numbers = m, numbers
 
     def fill(self, row_W: np.ndarray) -> None:
         self.m.unsafe_compute_mask_ptr(row_W.ctypes.data, row_W.nbytes)
+        self.restrict(row_W)
+
+    def restrict(self, row_W: np.ndarray) -> None:
+        """The engine's own rules on top of llguidance's mask (finite JSON numbers)."""
+        if self.numbers is not None:
+            self.numbers.restrict(row_W)
 
     def consume(self, token: int) -> bool:
-        return bool(self.m.consume_token(int(token)))
+        ok = bool(self.m.consume_token(int(token)))
+        if ok and self.numbers is not None:
+            self.numbers.consume(token)
+        return ok
 
     def rollback(self, n: int) -> None:
         if n and not self.m.rollback(int(n)):
             raise ValueError(f"cannot roll back {n} tokens: {self.m.get_error()}")
+        if n and self.numbers is not None:
+            self.numbers.rollback(n)
 
     def error(self) -> str | None:
         if self.m.is_error():
             return self.m.get_error() or "the grammar entered an error state"
         return None
+
+
+class _Compiled:
+    """A compiled llguidance grammar and whether its outputs are JSON (finite-number rule)."""
+
+    __slots__ = ("template", "finite_numbers")
+
+    def __init__(self, template, finite_numbers: bool) -> None:
+        self.template, self.finite_numbers = template, finite_numbers
 
 
 class LLGuidanceBackend:
@@ -109,7 +133,7 @@ class LLGuidanceBackend:
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self.cache_size = cache_size
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._lltok = self._executor = None
+        self._lltok = self._executor = self._numbers = None
 
     @property
     def lltokenizer(self):
@@ -157,13 +181,23 @@ class LLGuidanceBackend:
         template = LLMatcher(self.lltokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(template.get_error().strip())
-        self._compiled[key] = template
+        compiled = _Compiled(template, guards_numbers(kind, text))
+        self._compiled[key] = compiled
         while len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)
-        return template
+        return compiled
+
+    @property
+    def number_guard(self) -> NumberGuard:
+        """The vocabulary's number tokens (``engine.finite_numbers``), built on first use."""
+        if self._numbers is None:
+            special = set(self.tokenizer.get_added_tokens_decoder())
+            self._numbers = NumberGuard(self.tokenizer.get_vocab(), self.vocab_size, special)
+        return self._numbers
 
     def matcher(self, compiled) -> Matcher:
-        return _LLMatcher(compiled.deep_copy())
+        numbers = self.number_guard.tail() if compiled.finite_numbers else None
+        return _LLMatcher(compiled.template.deep_copy(), numbers)
 
     def fill_batch(self, matchers: list[tuple[Matcher, int]], bitmask_RW: np.ndarray) -> None:
         if len(matchers) == 1:
@@ -176,6 +210,8 @@ class LLGuidanceBackend:
         if self._executor is None:
             self._executor = LLExecutor()
         fill_next_token_bitmask_par(self._executor, [(m.m, i) for m, i in matchers], bitmask_RW)
+        for m, i in matchers:
+            m.restrict(bitmask_RW[i])
 
 
 class StructuredOutputs:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 from deepinfer_jax.chat import budget_warning, final_response
+from deepinfer_jax.chat_logprobs import attach
 from deepinfer_jax.completions import _logprobs, completion_chunk, completion_response
 from deepinfer_jax.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer_jax.recipe.stream import StreamEvent
@@ -97,7 +98,7 @@ def _finish(engine_reason: str | None) -> str:
 async def recipe_response(state, prepared, run: Run) -> dict:
     """The protocol's final response JSON."""
     await run.drain()
-    return final_response(state.llm, prepared, run.tokens, run.finish_reason, run.cached)
+    return final_response(state.llm, prepared, run.tokens, run.finish_reason, run.cached, run.logprobs)
 
 
 async def recipe_events(state, prepared, run: Run, protocol: str) -> AsyncIterator[str]:
@@ -105,15 +106,21 @@ async def recipe_events(state, prepared, run: Run, protocol: str) -> AsyncIterat
     llm, eos = state.llm, state.llm.engine.eos_token_id
     parser = prepared.parser(llm)
     started = False
+    top, pending = prepared.params.logprobs, []  # Chat logprobs of tokens no chunk has shown yet
     try:
         async for d in run.deltas():
             if not started:
                 started = True
                 for e in parser.ready(prompt_tokens=len(prepared.ids), cache_hit_tokens=d.num_cached_tokens):
                     yield e.sse()
-            new = [t for t in d.outputs[0].token_ids if t != eos]  # the end of sequence is not text
-            if new and not parser.finished:
-                for e in parser.push_ids(new):
+            out = d.outputs[0]
+            keep = [k for k, t in enumerate(out.token_ids) if t != eos]  # the end of sequence is not text
+            if keep and not parser.finished:
+                events = parser.push_ids([out.token_ids[k] for k in keep])
+                if top is not None:
+                    pending += [out.logprobs[k] for k in keep]
+                    events = attach(events, pending, llm.tokenizer, top)
+                for e in events:
                     yield e.sse()
             if parser.finished:  # the parser saw a stop sequence: the engine may stop now
                 break
@@ -123,6 +130,8 @@ async def recipe_events(state, prepared, run: Run, protocol: str) -> AsyncIterat
         if not parser.finished:
             finish = _finish(run.finish_reason)
             events = parser.finish(finish)
+            if top is not None:
+                events = attach(events, pending, llm.tokenizer, top)
             warning = budget_warning(llm, prepared.params, prepared.options, run.tokens, finish)
             if warning is not None and events:
                 events[-1] = StreamEvent({**events[-1].data, "warning": warning}, events[-1].event)
