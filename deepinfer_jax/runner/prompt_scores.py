@@ -1,8 +1,9 @@
 """Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's field): the model's log-probability
 of each prompt token given the ones before it, and the top alternatives at each position.
 
-The engine's step does not produce these: it returns logits at one row per request, and under
-YOCO prefill (docs/engine.md §2.1) the decoder layers never run at most prompt positions. So a
+The engine's step does not produce these: it returns logits at one row per request, and with
+decoder bounded replay (YOCO prefill, docs/engine.md §1.4) the decoder layers never run at most
+prompt positions. So a
 request that asks for them gets one extra pass of the full-sequence model (``forward_full``, the
 function the oracle parity suites check against NeMo) over its prompt, right-padded to a power-of-two
 length bucket: attention, compression and Engram look-ups are all causal, so the padding cannot
