@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from deepinfer_jax import LLM, SamplingParams, compile_cache
@@ -135,3 +137,34 @@ def test_lazy_buckets_pad_into_a_compiled_bucket_until_one_is_wanted_often():
     assert lazy.choose(8, 4, 2) == 8 and lazy.choose(32, 4, 2) == 64
     assert lazy.choose(8, 2, 2) == 64  # another request width has its own compiled set
     assert lazy.compiled == {(64, 4, 2), (8, 4, 2), (64, 2, 2)}
+
+
+def test_abstract_model_is_built_once_kept_on_disk_and_keyed_by_config(tmp_path, monkeypatch):
+    from flax import nnx
+
+    from deepinfer_jax.model import abstract_cache
+    from deepinfer_jax.model.deepseek_v41 import DeepseekV41
+    from deepinfer_jax.config import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    builds = []
+    real = abstract_cache._build
+    monkeypatch.setattr(abstract_cache, "_build", lambda c, k: builds.append(k) or real(c, k))
+    monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
+    abstract_cache._cached.cache_clear()
+    g1, s1 = abstract_cache.abstract_model(DeepseekV41, cfg)
+    files = list((tmp_path / "xla-graphs").iterdir())
+    assert len(builds) == 1 and len(files) == 1
+    abstract_cache._cached.cache_clear()  # a new process: read from disk, not rebuilt
+    g2, s2 = abstract_cache.abstract_model(DeepseekV41, cfg)
+    assert len(builds) == 1 and g2 == g1 and s2 is not s1
+    assert jax.tree.leaves(s2) == jax.tree.leaves(s1)
+    ref_g, ref_s = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0))))
+    assert g2 == ref_g and jax.tree.leaves(s2) == jax.tree.leaves(ref_s)
+    other = dataclasses.replace(cfg, rms_norm_eps=cfg.rms_norm_eps * 2)  # another config: its own file
+    abstract_cache.abstract_model(DeepseekV41, other)
+    assert len(builds) == 2 and len(list((tmp_path / "xla-graphs").iterdir())) == 2
+    files[0].write_bytes(b"not a pickle")  # a damaged file is rebuilt, not trusted
+    abstract_cache._cached.cache_clear()
+    assert abstract_cache.abstract_model(DeepseekV41, cfg)[0] == g1 and len(builds) == 3
+    abstract_cache._cached.cache_clear()

@@ -9,7 +9,6 @@ cached graph definition with a state pytree inside the trace, so it is a pure fu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from deepinfer_jax.model import mhc
+from deepinfer_jax.model.abstract_cache import abstract_model
 from deepinfer_jax.model.attention import Attention, GlobalState
 from deepinfer_jax.model.engram import Engram, Table
 from deepinfer_jax.model.engram_consts import hash_constants
@@ -121,10 +121,8 @@ class DeepseekV41(nnx.Module):
         return (logits, jnp.concatenate(taps, axis=-1)) if capture else logits
 
 
-@functools.lru_cache(maxsize=32)
 def _graphdef(cfg):
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0))))
-    return graphdef
+    return abstract_model(DeepseekV41, cfg)[0]
 
 
 def init_params(cfg, seed: int = 0, token_map: np.ndarray | None = None) -> nnx.State:
@@ -139,9 +137,9 @@ def init_params(cfg, seed: int = 0, token_map: np.ndarray | None = None) -> nnx.
 
 
 def abstract_params(cfg) -> nnx.State:
-    """The parameter state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), allocating nothing."""
-    _, state = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0))))
-    return state
+    """The parameter state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), allocating nothing
+    (a fresh state per call, from ``model.abstract_cache``)."""
+    return abstract_model(DeepseekV41, cfg)[1]
 
 
 def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[int, ...] = ()):

@@ -23,7 +23,6 @@ feature, and the confidence head reads the *normalised* state ``hn`` (model.md: 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepinfer_jax.model import mhc
+from deepinfer_jax.model.abstract_cache import abstract_model
 from deepinfer_jax.model.attention import Attention, attend
 from deepinfer_jax.model.deepseek_v41 import HcSites, _flatten, _unflatten, check_tree
 from deepinfer_jax.model.engram import Table
@@ -124,10 +124,8 @@ def check_drafter_config(cfg) -> None:
                          f"got nonzero ratios at layers {bad}")
 
 
-@functools.lru_cache(maxsize=32)
 def _graphdef(cfg):
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0))))
-    return graphdef
+    return abstract_model(DSparkDrafter, cfg)[0]
 
 
 def init_drafter_params(cfg, seed: int = 0) -> nnx.State:
@@ -137,9 +135,8 @@ def init_drafter_params(cfg, seed: int = 0) -> nnx.State:
 
 
 def abstract_drafter_params(cfg) -> nnx.State:
-    """The drafter state's shapes and dtypes, allocating nothing."""
-    _, state = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0))))
-    return state
+    """The drafter state's shapes and dtypes, allocating nothing (``model.abstract_cache``)."""
+    return abstract_model(DSparkDrafter, cfg)[1]
 
 
 def drafter_params_from_tree(cfg, tree: Mapping, dtype=jnp.float32) -> nnx.State:
