@@ -28,6 +28,7 @@ from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs, paged_step
 from deepinfer_jax.model.sampler import SamplingInputs, sample
 from deepinfer_jax.runner.buckets import Buckets, BucketUse
+from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import (
     ChunkSpec,
     SampleSpec,
@@ -43,6 +44,11 @@ __all__ = ["ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "
 
 
 _TRACES = [0]
+
+
+def _count_trace() -> None:
+    """A program loaded from the program store counts as built (as a tracing would)."""
+    _TRACES[0] += 1
 
 
 def _step(params, cfg, cache_cfg, cache, inputs):
@@ -155,9 +161,10 @@ class ModelRunner:
         self.cache = init_cache(cfg, cache_cfg)
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._pleaves, self._ptree = jax.tree_util.tree_flatten(params)
-        self._fn = jax.jit(_step_flat, static_argnums=(0, 2, 3), donate_argnums=(4,))
-        self._forward_fn = jax.jit(_forward_step_flat, static_argnums=(0, 2, 3), donate_argnums=(4,))
-        self._sample_fn = jax.jit(_sample_rows, static_argnums=(0,))
+        # the step programs: traced once per machine and kept on disk (runner.program_store)
+        self._fn = stored_jit(_step_flat, "step", (0, 2, 3), (4,), on_build=_count_trace)
+        self._forward_fn = stored_jit(_forward_step_flat, "forward", (0, 2, 3), (4,), on_build=_count_trace)
+        self._sample_fn = stored_jit(_sample_rows, "sample", (0,), on_build=_count_trace)
         self.mask_words = (cfg.vocab_size + 31) // 32
         self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device
         self._snapshot_fn = jax.jit(_snapshot)

@@ -31,7 +31,8 @@ from deepinfer_jax.model import speculative as spec_ops
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner.buckets import Buckets
-from deepinfer_jax.runner.model_runner import _TRACES, ModelRunner
+from deepinfer_jax.runner.model_runner import _TRACES, ModelRunner, _count_trace
+from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inputs, check_chunks, sampling_batch
 
 __all__ = ["SpecForward", "SpecPending", "SpecRunner"]
@@ -131,8 +132,8 @@ class SpecRunner(ModelRunner):
         self.spec = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, cfg.sliding_window + cache_cfg.spec_slack,
                                              int(self.heads.ids.shape[0]))
         self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
-        self._spec_forward_fn = jax.jit(_spec_forward, static_argnums=(0, 2, 4, 5), donate_argnums=(6, 7))
-        self._spec_sample_fn = jax.jit(_spec_sample, static_argnums=(0, 1, 2, 4), donate_argnums=(13, 14))
+        self._spec_forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=_count_trace)
+        self._spec_sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=_count_trace)
 
     def logit_rows(self, n: int, r: int) -> int:
         """Logit rows of a (tokens n, requests r) step: at most K + 1 per request row."""
