@@ -62,7 +62,7 @@ def _sizes(name: str, value: Any) -> None:
 
 
 def _is_preset(value: Any) -> bool:
-    from deepinfer_jax.sharding import ShardingPreset  # imports jax: only reached for a non-path value
+    from deepinfer_jax.config.sharding import ShardingPreset
 
     return isinstance(value, ShardingPreset)
 
@@ -115,8 +115,8 @@ class EngineConfig:
             then a 400). A request's ``thinking`` / ``reasoning_effort`` (Chat), ``reasoning.effort``
             (Responses) or ``thinking`` / ``output_config.effort`` (Messages) overrides it.
         sharding: run over a device mesh with attention data parallel and expert parallel
-            (engine.md §4): a preset name (``deepinfer_jax/config/sharding/*.toml``, e.g.
-            ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``sharding.ShardingPreset``; None =
+            (engine.md §4): a preset name (``sharding/*.toml``, e.g.
+            ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``config.ShardingPreset``; None =
             one device. Each DP rank is then its own scheduling domain: ``max_num_seqs``,
             ``num_blocks`` and ``max_num_batched_tokens`` are per rank (``step_budget_ns`` too: every
             rank's chunks fit it, with one shared cost model). Needs ``enable_prefix_caching=False``
