@@ -35,8 +35,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.config.eplb import DISPATCHES, EplbSettings
 from deepinfer_jax.config.fields import ShardingError, int_field, str_field
-from deepinfer_jax.config.sharding import (MESH_AXES, PRESET_DIR, RULES, ShardingPreset, available_presets,
-                                           resolve_preset)
+from deepinfer_jax.config.sharding import (
+    MESH_AXES,
+    PRESET_DIR,
+    RULES,
+    ShardingPreset,
+    available_presets,
+    resolve_preset,
+)
 from deepinfer_jax.parallel.mesh import auto_mesh, put_global
 
 __all__ = [

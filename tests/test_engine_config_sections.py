@@ -7,8 +7,15 @@ import pickle
 
 import pytest
 
-from deepinfer_jax.config import (CacheSettings, EngineConfig, ParallelConfig, SchedulerConfig, ShardingPreset,
-                                  SpeculationConfig, resolve_preset)
+from deepinfer_jax.config import (
+    CacheSettings,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ShardingPreset,
+    SpeculationConfig,
+    resolve_preset,
+)
 from deepinfer_jax.config.engine import SECTIONS
 
 # every setting LLM() accepted before the split, in no particular order

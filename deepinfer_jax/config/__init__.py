@@ -11,8 +11,8 @@ from deepinfer_jax.config.cache import CacheConfig
 from deepinfer_jax.config.engine import EngineConfig, yoco_keep_tokens
 from deepinfer_jax.config.eplb import EplbSettings
 from deepinfer_jax.config.fields import ShardingError
-from deepinfer_jax.config.sections import CacheSettings, ParallelConfig, SchedulerConfig, SpeculationConfig
 from deepinfer_jax.config.model import NESTED_MODEL_TYPE, TEXT_MODEL_TYPE, LayerRole, ModelConfig, RopeScaling
+from deepinfer_jax.config.sections import CacheSettings, ParallelConfig, SchedulerConfig, SpeculationConfig
 from deepinfer_jax.config.sharding import ShardingPreset, resolve_preset
 
 __all__ = ["NESTED_MODEL_TYPE", "TEXT_MODEL_TYPE", "CacheConfig", "CacheSettings", "EngineConfig", "EplbSettings",

@@ -13,8 +13,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer_jax.config.sections import (CHUNKING_MODES, SPECULATION_MODES, CacheSettings, ParallelConfig,
-                                           SchedulerConfig, SpeculationConfig, check_bools, check_pos)
+from deepinfer_jax.config.sections import (
+    CHUNKING_MODES,
+    SPECULATION_MODES,
+    CacheSettings,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculationConfig,
+    check_bools,
+    check_pos,
+)
 
 __all__ = ["CHUNKING_MODES", "PRECOMPILE_MODES", "SECTIONS", "SPECULATION_MODES", "EngineConfig", "yoco_keep_tokens"]
 
