@@ -100,10 +100,9 @@ def cache_dir() -> Path | None:
 
 
 def _reset_jax_cache() -> None:
-    try:
-        from jax._src import compilation_cache as cc
+    try:  # public API; resetting a cache that never initialised is a no-op
+        from jax.experimental.compilation_cache import compilation_cache as cc
 
-        if cc.is_initialized():
-            cc.reset_cache()
+        cc.reset_cache()
     except (ImportError, AttributeError):  # another jax layout: the directory applies from the next process
         pass

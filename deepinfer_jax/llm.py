@@ -1,6 +1,7 @@
 """``LLM``: the offline facade, in the shape vLLM users know.
 
-    llm = LLM()                                   # the shipped checkpoint (checkpoints/small-trained)
+    llm = LLM()                                   # the shipped checkpoint (checkpoints/small-trained,
+                                                  # package data in a wheel: docs/packaging.md)
     llm = LLM("path/to/hf_dir", max_num_seqs=16)   # a Hugging Face-format V4.1 directory
     llm = LLM("tiny")                             # a preset config with seeded random weights
     outs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0.7, max_tokens=32))
@@ -40,6 +41,7 @@ from deepinfer_jax import compile_cache
 from deepinfer_jax.cache.block_hash import extra_keys, model_fingerprint
 from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore, StoreError
 from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_keep_tokens
+from deepinfer_jax.config.shipped import shipped
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_core import DPEngineCore
@@ -50,7 +52,8 @@ from deepinfer_jax.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_CHECKPOINT", "LLM", "PRESETS"]
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "small-trained"
+#: The shipped checkpoint: the wheel's copy (package data), else the checkout's ``checkpoints/small-trained``.
+DEFAULT_CHECKPOINT = shipped("checkpoints/small-trained")
 #: Preset names: a config with seeded random weights (``init_params(cfg, seed=0)``).
 PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
 _DEFAULT_MAX_MODEL_LEN = 2048

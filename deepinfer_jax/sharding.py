@@ -1,18 +1,14 @@
-"""Device meshes from deployment presets, the logical-axis rules table, the sharded forward, multi-host start.
+"""Arrays on a device mesh: the logical axes of every parameter and cache array, meshes from presets,
+placement, the sharded forward, multi-host start.
 
-A **preset** (``deepinfer_jax/config/sharding/<name>.toml``) names the mesh axes and their sizes,
-the attention data-parallel and expert-parallel degrees, optional overrides of the rules table,
-and the EPLB settings (engine.md §3-§4). ``resolve_preset(name_or_path)`` loads one,
-``make_mesh(preset)`` builds the ``jax.sharding.Mesh`` (Auto axes, so GSPMD propagates).
+The presets themselves are configuration (``deepinfer_jax.config.sharding``: ``ShardingPreset``,
+``RULES``, ``resolve_preset``; ``config.eplb``: ``EplbSettings``) and are re-exported here.
+``make_mesh(preset)`` builds the preset's ``jax.sharding.Mesh`` (Auto axes, so GSPMD propagates).
 
-**One rules table**, ``RULES``, maps logical axis names to mesh axes: ``batch`` -> ``dp`` (attention
-DP), ``experts`` -> ``ep`` (routed experts), ``vocab``/``heads``/``mlp``/``expert_mlp`` -> ``tp``,
-the cache's ``cache_slots``/``cache_blocks`` -> wherever ``batch`` goes (each DP rank's requests and
-blocks live on its devices), everything else replicated. A mesh axis the mesh lacks (``tp`` in a
-2-D preset) resolves to "replicated". ``PARAM_AXES`` gives every parameter of
-``deepinfer_jax.model`` its logical axes (the ``nnx.State`` path with the layer index written
-``*``; the DSpark drafter's ``mtp.S`` stages too), ``CACHE_AXES`` every array of ``model.kv_cache.init_cache``; an unknown path is an error,
-never a silent replication.
+``PARAM_AXES`` gives every parameter of ``deepinfer_jax.model`` its logical axes (the ``nnx.State``
+path with the layer index written ``*``; the DSpark drafter's ``mtp.S`` stages too), ``CACHE_AXES``
+every array of ``model.kv_cache.init_cache``; the preset's rules table maps them to mesh axes. An
+unknown path is an error, never a silent replication.
 
 Production presets put every device on both parallel axes (DeepInfer's "EP8 DP8" is 8 devices,
 each one an attention DP rank and an EP rank): mesh ``dp=1, ep=N`` with ``batch = ["dp", "ep"]``.
@@ -26,23 +22,27 @@ variables ``DEEPINFER_COORDINATOR`` (``host:port``), ``DEEPINFER_NUM_PROCESSES``
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import numbers
 import os
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from deepinfer_jax.parallel.ep_moe import DISPATCHES  # MoE token dispatches (ragged_all_to_all: GPU/TPU only)
+from deepinfer_jax.config.eplb import DISPATCHES, EplbSettings
+from deepinfer_jax.config.fields import ShardingError, int_field, str_field
+from deepinfer_jax.config.sharding import (
+    MESH_AXES,
+    PRESET_DIR,
+    RULES,
+    ShardingPreset,
+    available_presets,
+    resolve_preset,
+)
 from deepinfer_jax.parallel.mesh import auto_mesh, put_global
 
 __all__ = [
@@ -51,34 +51,6 @@ __all__ = [
     "make_mesh", "param_shardings", "place", "resolve_preset", "shard_cache", "shard_params", "sharded_forward_full",
 ]
 
-#: Where the shipped presets live (package data).
-PRESET_DIR = Path(__file__).resolve().parent / "config" / "sharding"
-#: The mesh axis names a preset may use: attention data parallel, expert parallel, tensor parallel.
-MESH_AXES = ("dp", "ep", "tp")
-
-#: The rules table: logical axis -> mesh axes (an empty tuple = replicated). Presets may override entries.
-RULES: Mapping[str, tuple[str, ...]] = {
-    "batch": ("dp",),  # sequences / request rows: attention data parallel
-    "experts": ("ep",),  # routed experts (and their EPLB slots)
-    "vocab": ("tp",),
-    "heads": ("tp",),  # attention heads (q heads x head_dim, sinks, the O-LoRA input)
-    "mlp": ("tp",),  # shared-expert intermediate
-    "expert_mlp": ("tp",),  # routed-expert intermediate
-    "embed": (),
-    "seq": (),
-    "layers": (),
-    "q_lora": (),
-    "o_lora": (),
-    "head_dim": (),
-    "index_heads": (),
-    "index_dim": (),
-    "router": (),  # the router's expert axis: every token scores every expert
-    "hc": (),  # mHC mixing coefficients
-    "engram": (),  # Engram tables, hash heads and the token map
-    "cache_slots": ("dp",),  # per-request cache slots (SWA rings, compressor state, Engram look-back)
-    "cache_blocks": ("dp",),  # the paged block pool
-}
-_FOLLOW_BATCH = ("cache_slots", "cache_blocks")  # follow ``batch`` unless a preset overrides them
 
 #: Logical axes of every parameter, by ``nnx.State`` path with the layer index written ``*``.
 PARAM_AXES: Mapping[str, tuple[str | None, ...]] = {
@@ -136,276 +108,6 @@ CACHE_AXES: Mapping[str, tuple[str | None, ...]] = {
     "engram": ("cache_slots",),  # [slots, max_ngram - 1]
 }
 
-
-class ShardingError(ValueError):
-    """A bad preset, mesh or layout; ``field`` names the offending setting (e.g. ``mesh.shape``)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-# ---- presets -------------------------------------------------------------------------------------
-
-
-def _int(field: str, value: Any, low: int) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise ShardingError(field, f"must be an integer, got {value!r}")
-    if value < low:
-        raise ShardingError(field, f"must be >= {low}, got {value!r}")
-    return int(value)
-
-
-def _str(field: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ShardingError(field, f"must be a string, got {value!r}")
-    return value
-
-
-def _table(field: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ShardingError(field, f"must be a table, got {value!r}")
-    return value
-
-
-def _no_extra(field: str, raw: Mapping[str, Any], known: Sequence[str]) -> None:
-    extra = sorted(set(raw) - set(known))
-    if extra:
-        where = f"{field}." if field else ""
-        raise ShardingError(f"{where}{extra[0]}", f"unknown setting (known: {', '.join(known)})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class EplbSettings:
-    """Expert-parallel load balancing knobs (engine.md §3).
-
-    redundant_slots_per_rank: extra physical expert slots per EP rank for replicas of hot experts.
-    window_steps: steps of per-layer expert load kept for the statistics.
-    rebalance_period: steps between two placements.
-    dispatch: MoE token dispatch, ``"all_to_all"`` (capacity based; runs on CPU) or ``"ragged_all_to_all"``.
-    enabled: in the engine (``LLM(sharding=...)`` with ``ep_size > 1``): True runs the MoE layers through the
-        shard_map EP MoE over an EPLB placement (the redundant slots, per-slot load counts, a rebalance every
-        ``rebalance_period`` steps); False leaves the routed experts to GSPMD (no slots, no statistics).
-    """
-
-    redundant_slots_per_rank: int = 0
-    window_steps: int = 100
-    rebalance_period: int = 1000
-    dispatch: str = "all_to_all"
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "redundant_slots_per_rank",
-                           _int("eplb.redundant_slots_per_rank", self.redundant_slots_per_rank, 0))
-        object.__setattr__(self, "window_steps", _int("eplb.window_steps", self.window_steps, 1))
-        object.__setattr__(self, "rebalance_period", _int("eplb.rebalance_period", self.rebalance_period, 1))
-        if _str("eplb.dispatch", self.dispatch) not in DISPATCHES:
-            raise ShardingError("eplb.dispatch", f"must be one of {DISPATCHES}, got {self.dispatch!r}")
-        if not isinstance(self.enabled, bool):
-            raise ShardingError("eplb.enabled", f"must be a boolean, got {self.enabled!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardingPreset:
-    """A deployment layout; frozen and hashable.
-
-    name: the preset's name. axes: mesh axis names (a subset of ``MESH_AXES``, each once).
-    shape: the mesh size along each axis. dp_size / ep_size: the attention data-parallel and
-    expert-parallel degrees, checked against the product of the mesh axes that ``batch`` and
-    ``experts`` map to. rules: the full rules table (``RULES`` with the preset's overrides) as
-    sorted ``(logical, mesh axes)`` pairs. eplb: ``EplbSettings``. description: free text.
-    """
-
-    name: str
-    axes: tuple[str, ...]
-    shape: tuple[int, ...]
-    dp_size: int
-    ep_size: int
-    rules: tuple[tuple[str, tuple[str, ...]], ...] = tuple(sorted(RULES.items()))
-    eplb: EplbSettings = EplbSettings()
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        _str("name", self.name)
-        if not isinstance(self.axes, (list, tuple)) or not self.axes:
-            raise ShardingError("mesh.axes", f"must be a non-empty list of axis names, got {self.axes!r}")
-        axes = tuple(_str(f"mesh.axes[{i}]", a) for i, a in enumerate(self.axes))
-        for i, a in enumerate(axes):
-            if a not in MESH_AXES:
-                raise ShardingError(f"mesh.axes[{i}]", f"unknown mesh axis {a!r} (known: {', '.join(MESH_AXES)})")
-        if len(set(axes)) != len(axes):
-            raise ShardingError("mesh.axes", f"names an axis twice: {list(axes)}")
-        if not isinstance(self.shape, (list, tuple)) or len(self.shape) != len(axes):
-            raise ShardingError("mesh.shape", f"must be a list of {len(axes)} sizes (one per axis), got {self.shape!r}")
-        shape = tuple(_int(f"mesh.shape[{i}]", s, 1) for i, s in enumerate(self.shape))
-        object.__setattr__(self, "axes", axes)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "rules", _check_rules(self.rules, axes))
-        if not isinstance(self.eplb, EplbSettings):
-            raise ShardingError("eplb", f"must be EplbSettings, got {self.eplb!r}")
-        _str("description", self.description)
-        for field, logical in (("dp_size", "batch"), ("ep_size", "experts")):
-            value = _int(f"parallel.{field}", getattr(self, field), 1)
-            object.__setattr__(self, field, value)
-            implied = self.axis_size(*self.mesh_axes(logical))
-            if value != implied:
-                raise ShardingError(f"parallel.{field}", f"is {value} but the rules map {logical!r} to mesh axes "
-                                    f"{list(self.mesh_axes(logical))} of total size {implied}")
-
-    # ---- queries ----
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def dp_axes(self) -> tuple[str, ...]:
-        """Mesh axes of attention data parallelism (the request batch and the cache)."""
-        return self.mesh_axes("batch")
-
-    @property
-    def ep_axes(self) -> tuple[str, ...]:
-        """Mesh axes of expert parallelism (the routed experts; the EP MoE's ``shard_map`` axes)."""
-        return self.mesh_axes("experts")
-
-    def axis_size(self, *axes: str) -> int:
-        """Product of the sizes of the given mesh axes (1 for none)."""
-        sizes = dict(zip(self.axes, self.shape))
-        return math.prod(sizes[a] for a in axes)
-
-    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
-        """The mesh axes (present in this mesh) that a logical axis maps to; () = replicated."""
-        if logical is None:
-            return ()
-        table = dict(self.rules)
-        if logical not in table:
-            raise ShardingError("rules", f"unknown logical axis {logical!r} (known: {', '.join(sorted(table))})")
-        return tuple(a for a in table[logical] if a in self.axes)
-
-    def experts_per_rank(self, cfg) -> int:
-        """Physical expert slots per EP rank: logical experts / EP + the redundant slots."""
-        self.validate_for(cfg)
-        return cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
-
-    @property
-    def engine_expert_parallel(self) -> bool:
-        """Whether the engine's step runs the shard_map EP MoE with EPLB (``ep_size > 1`` and ``eplb.enabled``)."""
-        return self.ep_size > 1 and self.eplb.enabled
-
-    def validate_engine(self) -> None:
-        """ShardingError ``eplb.enabled`` if the engine cannot run its EP MoE on this layout: it runs one program
-        per device, so the experts must lie on one mesh axis and no other parameter axis may be split (no tensor
-        parallel; set ``eplb.enabled = false`` to leave such layouts to GSPMD)."""
-        if not self.engine_expert_parallel:
-            return
-        if len(self.ep_axes) != 1:
-            raise ShardingError("eplb.enabled", f"the engine's EP MoE needs the experts on one mesh axis, the rules "
-                                f"map them to {list(self.ep_axes)}")
-        params = [k for k in RULES if k not in ("batch", "experts", *_FOLLOW_BATCH)]
-        split = sorted({a for k in params for a in self.mesh_axes(k)
-                        if a not in self.ep_axes and self.axis_size(a) > 1})
-        if split:
-            raise ShardingError("eplb.enabled", f"the engine's EP MoE needs no parameter split over {split} (tensor "
-                                f"parallel); set eplb.enabled = false for this preset")
-
-    def validate_for(self, cfg) -> None:
-        """ShardingError unless the model's routed experts divide evenly over the EP ranks (and, with the engine's
-        EP MoE, a rank's slots do not outnumber the experts)."""
-        if cfg.n_routed_experts % self.ep_size:
-            raise ShardingError("parallel.ep_size", f"{self.ep_size} does not divide the model's "
-                                f"n_routed_experts {cfg.n_routed_experts}")
-        slots = cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
-        if self.engine_expert_parallel and slots > cfg.n_routed_experts:
-            raise ShardingError("eplb.redundant_slots_per_rank", f"{self.eplb.redundant_slots_per_rank} makes {slots} "
-                                f"slots per EP rank, more than the model's {cfg.n_routed_experts} experts (a rank "
-                                "would hold one expert twice)")
-
-    def replace(self, **changes: Any) -> ShardingPreset:
-        return dataclasses.replace(self, **changes)
-
-    # ---- construction ----
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], name: str | None = None) -> ShardingPreset:
-        """A preset from a parsed TOML document (see ``config/sharding/*.toml`` for the layout)."""
-        raw = _table("preset", raw)
-        _no_extra("", raw, ("name", "description", "mesh", "parallel", "rules", "eplb"))
-        mesh = _table("mesh", raw.get("mesh"))
-        _no_extra("mesh", mesh, ("axes", "shape"))
-        for key in ("axes", "shape"):
-            if key not in mesh:
-                raise ShardingError(f"mesh.{key}", "is required")
-        par = _table("parallel", raw.get("parallel", {}))
-        _no_extra("parallel", par, ("dp_size", "ep_size"))
-        for key in ("dp_size", "ep_size"):
-            if key not in par:
-                raise ShardingError(f"parallel.{key}", "is required")
-        eplb = _table("eplb", raw.get("eplb", {}))
-        _no_extra("eplb", eplb, [f.name for f in dataclasses.fields(EplbSettings)])
-        overrides = _table("rules", raw.get("rules", {}))
-        rules = dict(RULES)
-        for logical, value in overrides.items():
-            if logical not in RULES:
-                raise ShardingError(f"rules.{logical}", f"unknown logical axis (known: {', '.join(RULES)})")
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, (list, tuple)):
-                raise ShardingError(f"rules.{logical}", f"must be a mesh axis name or a list of them, got {value!r}")
-            rules[logical] = tuple(_str(f"rules.{logical}[{i}]", v) for i, v in enumerate(value))
-        for logical in _FOLLOW_BATCH:
-            if logical not in overrides:
-                rules[logical] = rules["batch"]
-        return cls(name=_str("name", raw.get("name", name or "custom")), axes=tuple(mesh["axes"]),
-                   shape=tuple(mesh["shape"]) if isinstance(mesh["shape"], (list, tuple)) else mesh["shape"],
-                   dp_size=par["dp_size"], ep_size=par["ep_size"], rules=tuple(sorted(rules.items())),
-                   eplb=EplbSettings(**eplb), description=_str("description", raw.get("description", "")))
-
-    @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> ShardingPreset:
-        path = Path(path)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except OSError as e:
-            raise ShardingError("preset", f"cannot read {path}: {e}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ShardingError("preset", f"{path} is not valid TOML: {e}") from e
-        return cls.from_dict(raw, name=path.stem)
-
-
-def _check_rules(rules: Any, axes: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    table = dict(rules)
-    missing = sorted(set(RULES) - set(table))
-    if missing:
-        raise ShardingError(f"rules.{missing[0]}", "is missing from the rules table")
-    for logical, mesh_axes in table.items():
-        if logical not in RULES:
-            raise ShardingError(f"rules.{logical}", f"unknown logical axis (known: {', '.join(RULES)})")
-        for a in mesh_axes:
-            if a not in MESH_AXES:
-                raise ShardingError(f"rules.{logical}", f"unknown mesh axis {a!r} (known: {', '.join(MESH_AXES)})")
-        if len(set(mesh_axes)) != len(mesh_axes):
-            raise ShardingError(f"rules.{logical}", f"names a mesh axis twice: {list(mesh_axes)}")
-    return tuple(sorted((k, tuple(v)) for k, v in table.items()))
-
-
-def available_presets() -> tuple[str, ...]:
-    """Names of the shipped presets."""
-    return tuple(sorted(p.stem for p in PRESET_DIR.glob("*.toml")))
-
-
-def resolve_preset(preset: str | os.PathLike[str] | ShardingPreset) -> ShardingPreset:
-    """A ``ShardingPreset`` from a shipped preset name, a path to a ``.toml`` file, or a preset (returned as is)."""
-    if isinstance(preset, ShardingPreset):
-        return preset
-    if not isinstance(preset, (str, os.PathLike)):
-        raise ShardingError("sharding", f"must be a preset name, a .toml path or a ShardingPreset, got {preset!r}")
-    text = os.fspath(preset)
-    if text.endswith(".toml") or os.sep in text:
-        return ShardingPreset.from_toml(text)
-    path = PRESET_DIR / f"{text}.toml"
-    if not path.is_file():
-        raise ShardingError("sharding", f"unknown preset {text!r} (shipped: {', '.join(available_presets())})")
-    return ShardingPreset.from_toml(path)
 
 
 # ---- meshes and layouts --------------------------------------------------------------------------
@@ -581,12 +283,12 @@ def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | Shard
     process of a multi-host run calls this with the same inputs; the result is a global array
     (``gather_to_host`` reads it).
     """
-    from deepinfer_jax.model.deepseek_v41 import _check_token_ids
+    from deepinfer_jax.model.deepseek_v41 import check_token_ids
 
     preset = _preset_for(mesh, preset)
     preset.validate_for(cfg)
     ids = np.asarray(token_ids)
-    _check_token_ids(ids, cfg.vocab_size)
+    check_token_ids(ids, cfg.vocab_size)
     batch = ids.shape[0]
     pad = -batch % preset.dp_size
     if pad:
@@ -627,12 +329,12 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     for key, value in got.items():
         if value is None:
             raise ShardingError(f"{key} ({values[key][1]})", "is required once any multi-host setting is given")
-    coord = _str(f"coordinator_address ({ENV_COORDINATOR})", got["coordinator_address"])
+    coord = str_field(f"coordinator_address ({ENV_COORDINATOR})", got["coordinator_address"])
     host, _, port = coord.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ShardingError(f"coordinator_address ({ENV_COORDINATOR})", f"must be host:port, got {coord!r}")
-    n = _int(f"num_processes ({ENV_NUM_PROCESSES})", _as_int(got["num_processes"]), 1)
-    pid = _int(f"process_id ({ENV_PROCESS_ID})", _as_int(got["process_id"]), 0)
+    n = int_field(f"num_processes ({ENV_NUM_PROCESSES})", _as_int(got["num_processes"]), 1)
+    pid = int_field(f"process_id ({ENV_PROCESS_ID})", _as_int(got["process_id"]), 0)
     if pid >= n:
         raise ShardingError(f"process_id ({ENV_PROCESS_ID})", f"must be < num_processes {n}, got {pid}")
     is_initialized = getattr(jax.distributed, "is_initialized", None)

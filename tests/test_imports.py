@@ -1,4 +1,4 @@
-"""The two worlds stay apart (design.md §3.1): device code never imports host packages, and host
+"""The two worlds stay apart (docs/architecture.md §4): device code never imports host packages, and host
 code never imports jax.numpy. Checked statically on the source, so it cannot be fooled by lazy imports."""
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ error naming the option; a value of the right type that ``EngineConfig`` refuses
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from deepinfer_jax.config import EngineConfig
 
@@ -59,7 +58,7 @@ def _converter(name: str, annotation: str):
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Add ``--max-num-seqs`` etc. (every ``EngineConfig`` field) to ``parser``, into ``dest`` ``engine.<field>``."""
     group = parser.add_argument_group("engine settings (EngineConfig fields; defaults as LLM())")
-    for f in dataclasses.fields(EngineConfig):
+    for f in EngineConfig.flat_fields():
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
         group.add_argument("--" + f.name.replace("_", "-"), dest="engine." + f.name, metavar=f.name.upper(),
                            type=_converter(f.name, annotation), default=argparse.SUPPRESS,

@@ -1,16 +1,30 @@
-"""Engine settings (host side): scheduling, chunking, sampling limits, buckets.
+"""Engine settings (host side): ``EngineConfig``, composed of its sections (``config.sections``).
 
-``LLM(model, **settings)`` maps its keyword arguments 1:1 onto ``EngineConfig`` fields.
+``LLM(model, **settings)`` maps its keyword arguments 1:1 onto the flat ``EngineConfig`` settings: each
+is a field of one section (``scheduler``, ``cache``, ``spec``, ``parallel``) or of ``EngineConfig``
+itself (seed, logprobs, chat default, start-up), and reads back flat (``ec.max_num_seqs`` is
+``ec.scheduler.max_num_seqs``). Plain Python, no JAX.
 """
 
 from __future__ import annotations
 
-import numbers
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHUNKING_MODES", "PRECOMPILE_MODES", "SPECULATION_MODES", "EngineConfig", "yoco_keep_tokens"]
+from deepinfer_jax.config.sections import (
+    CHUNKING_MODES,
+    SPECULATION_MODES,
+    CacheSettings,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculationConfig,
+    check_bools,
+    check_pos,
+)
+
+__all__ = ["CHUNKING_MODES", "PRECOMPILE_MODES", "SECTIONS", "SPECULATION_MODES", "EngineConfig", "yoco_keep_tokens"]
 
 #: The seeds' knob for decoder bounded replay (engine.md §1.4): prompt tokens that run the decoder.
 YOCO_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
@@ -29,47 +43,39 @@ def yoco_keep_tokens(value: int | None = None) -> int:
         raise ValueError(f"{YOCO_ENV} must be an integer >= 1, got {raw!r}")
     return keep
 
-#: Speculative decoding (engine.md §2.3): "auto" = "dspark" when the model has a DSpark drafter and no
-#: sharding, else "none"; "fixed": every decoding request verifies ``num_speculative_tokens`` drafts per
-#: step; "dspark": the confidence-driven budget (``engine.spec_policy``), which decodes plainly while
-#: verifying would not pay.
-SPECULATION_MODES = ("auto", "none", "fixed", "dspark")
-
-#: "cost": chunk sizes from the fitted step-time model and ``step_budget_ns``; "tokens": a fixed
-#: token budget per step (``max_num_batched_tokens``, vLLM's setting).
-CHUNKING_MODES = ("cost", "tokens")
-
 #: "lazy": ``LLM()`` compiles nothing up front; each step bucket compiles on its first use (from the
 #: persistent compilation cache when an earlier process compiled it) and start-up profiling is
 #: replaced by the disk caches or online fits; "all": every bucket compiles and every start-up
 #: profile runs inside ``LLM()``, so no request ever waits on a compilation.
 PRECOMPILE_MODES = ("lazy", "all")
 
-
-def _pos(name: str, value: Any, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _sizes(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if (not isinstance(value, tuple) or not value or any(not isinstance(v, int) or v < 1 for v in value)
-            or list(value) != sorted(set(value))):
-        raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {value!r}")
+#: The sections of ``EngineConfig``: attribute name -> section class.
+SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheSettings, "spec": SpeculationConfig,
+                             "parallel": ParallelConfig}
+#: Flat setting -> the section holding it.
+_SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
-def _is_preset(value: Any) -> bool:
-    from deepinfer_jax.sharding import ShardingPreset  # imports jax: only reached for a non-path value
-
-    return isinstance(value, ShardingPreset)
-
-
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class EngineConfig:
-    """Fields:
+    """The engine's settings: four sections plus the settings of the engine as a whole; frozen and hashable.
+
+    ``EngineConfig(max_num_seqs=4, speculation="none")`` takes every setting flat (routed to its
+    section); ``EngineConfig(scheduler=SchedulerConfig(...), cache=..., spec=..., parallel=...)`` takes
+    whole sections, and flat settings given with a section override its fields. Every flat setting
+    reads back as an attribute; ``settings()`` returns them as a dict, ``replace(**flat)`` a copy
+    with some changed, ``fields()`` their names, ``flat_fields()`` their dataclass fields.
+
+    Sections: ``scheduler`` (``SchedulerConfig``: max_num_seqs, max_model_len, chunking,
+    max_num_batched_tokens, step_budget_ns, profile_steps, cost_model_dir, async_scheduling,
+    structured_output_overlap, token_buckets, request_buckets), ``cache`` (``CacheSettings``: block_size,
+    num_blocks, max_blocks_per_request, kv_storage, enable_prefix_caching, cache_salt,
+    swa_snapshot_entries, encoder_replay, replay_tokens, decoder_replay, yoco_keep_tokens,
+    host_store_bytes, block_store, block_store_fallback), ``spec`` (``SpeculationConfig``: speculation,
+    num_speculative_tokens, draft_vocab_size), ``parallel`` (``ParallelConfig``: sharding). Its own:
+    seed, max_logprobs, default_thinking_mode, precompile, compilation_cache.
+
+    Settings:
         max_num_seqs: requests running at once (cache slots).
         max_model_len: most tokens (prompt + output) per request; None = the model's limit capped
             by ``max_blocks_per_request * block_size``.
@@ -95,12 +101,12 @@ class EngineConfig:
         compilation_cache: the persistent XLA compilation cache directory; None = the
             ``DEEPINFER_COMPILATION_CACHE`` environment variable, else ``~/.cache/deepinfer_jax/xla``;
             False or "off" = no cache (``deepinfer_jax.compile_cache``).
-        enable_prefix_caching: reuse the KV blocks and SWA windows of earlier requests (engine.md §1).
+        enable_prefix_caching: reuse the KV blocks and SWA windows of earlier requests (docs/engine.md §1).
         cache_salt: mixed into every block digest (separates tenants sharing a store).
         swa_snapshot_entries: SWA window snapshots kept in host memory (LRU).
         encoder_replay: when a hit's window is missing, rebuild it approximately by bounded replay of
             the hit's last ``replay_tokens`` tokens (None = the sliding window) instead of hitting less
-            (engine.md §1.4); what such a request computes is never cached.
+            (docs/engine.md §1.4); what such a request computes is never cached.
         decoder_replay: decoder bounded replay (YOCO prefill, engine.md §1.4): only the last
             ``yoco_keep_tokens`` prompt tokens (None = ``$DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, default
             140) run the decoder layers; approximate for longer prompts, and then no SWA windows
@@ -115,8 +121,8 @@ class EngineConfig:
             then a 400). A request's ``thinking`` / ``reasoning_effort`` (Chat), ``reasoning.effort``
             (Responses) or ``thinking`` / ``output_config.effort`` (Messages) overrides it.
         sharding: run over a device mesh with attention data parallel and expert parallel
-            (engine.md §4): a preset name (``deepinfer_jax/config/sharding/*.toml``, e.g.
-            ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``sharding.ShardingPreset``; None =
+            (docs/engine.md §4): a preset name (``sharding/*.toml``, e.g.
+            ``"cpu-dp2-ep4"``), a path to a preset ``.toml``, or a ``config.ShardingPreset``; None =
             one device. Each DP rank is then its own scheduling domain: ``max_num_seqs``,
             ``num_blocks`` and ``max_num_batched_tokens`` are per rank (``step_budget_ns`` too: every
             rank's chunks fit it, with one shared cost model). Needs ``enable_prefix_caching=False``
@@ -129,7 +135,7 @@ class EngineConfig:
             say plain decoding is faster, e.g. for large batches on CPU. Requests with a
             structured-output constraint verify no drafts.
         num_speculative_tokens: drafts per step in "fixed" mode, and the fixed count of requests with
-            their own seed in "dspark" mode (their tokens then do not depend on the batch, engine.md
+            their own seed in "dspark" mode (their tokens then do not depend on the batch, docs/engine.md
             §2.5); at most the drafter's block size. None = 3, except under "auto", where seeded
             requests then verify none (they decode exactly as without speculation).
         draft_vocab_size: the drafter proposes only the first this many tokens of the checkpoint's
@@ -137,100 +143,81 @@ class EngineConfig:
             default size, or the whole vocabulary when the checkpoint ships no such file.
     """
 
-    max_num_seqs: int = 8
-    max_model_len: int | None = None
-    block_size: int = 64
-    num_blocks: int | None = None
-    max_blocks_per_request: int | None = None
-    kv_storage: str = "quantized"
-    chunking: str = "cost"
-    max_num_batched_tokens: int = 256
-    step_budget_ns: int = 200_000_000
-    profile_steps: bool = True
-    cost_model_dir: str | None = None
-    async_scheduling: bool = True
-    structured_output_overlap: bool = True
+    scheduler: SchedulerConfig
+    cache: CacheSettings
+    spec: SpeculationConfig
+    parallel: ParallelConfig
     seed: int = 0
     max_logprobs: int = 5
-    token_buckets: tuple[int, ...] | None = None
-    request_buckets: tuple[int, ...] | None = None
-    enable_prefix_caching: bool = True
-    cache_salt: str | None = None
-    swa_snapshot_entries: int = 256
-    encoder_replay: bool = False
-    replay_tokens: int | None = None
-    decoder_replay: bool = False
-    yoco_keep_tokens: int | None = None
-    host_store_bytes: int = 1 << 30
-    block_store: str | None = None
-    block_store_fallback: bool = False
     default_thinking_mode: bool = True
-    sharding: Any = None
-    speculation: str = "auto"
-    num_speculative_tokens: int | None = None
-    draft_vocab_size: int | None = None
     precompile: str = "lazy"
     compilation_cache: Any = None
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "step_budget_ns", "max_logprobs"):
-            _pos(name, getattr(self, name))
-        for name in ("max_model_len", "num_blocks", "max_blocks_per_request"):
-            _pos(name, getattr(self, name), optional=True)
-        if self.chunking not in CHUNKING_MODES:
-            raise ValueError(f"chunking must be one of {CHUNKING_MODES}, got {self.chunking!r}")
-        if self.kv_storage not in ("quantized", "dequantized"):
-            raise ValueError(f"kv_storage must be 'quantized' or 'dequantized', got {self.kv_storage!r}")
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
-        if not isinstance(self.swa_snapshot_entries, int) or self.swa_snapshot_entries < 0:
-            raise ValueError(f"swa_snapshot_entries must be an integer >= 0, got {self.swa_snapshot_entries!r}")
-        _pos("replay_tokens", self.replay_tokens, optional=True)
+    def __init__(self, *, scheduler: SchedulerConfig | None = None, cache: CacheSettings | None = None,
+                 spec: SpeculationConfig | None = None, parallel: ParallelConfig | None = None,
+                 **settings: Any) -> None:
+        own = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS}
+        for key in settings:
+            if key not in own and key not in _SECTION_OF:
+                raise TypeError(f"EngineConfig.__init__() got an unexpected keyword argument {key!r}")
+        given = {"scheduler": scheduler, "cache": cache, "spec": spec, "parallel": parallel}
+        for name, cls in SECTIONS.items():
+            flat = {k: v for k, v in settings.items() if _SECTION_OF.get(k) == name}
+            section = given[name]
+            if section is not None and not isinstance(section, cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {section!r}")
+            object.__setattr__(self, name, cls(**flat) if section is None else dataclasses.replace(section, **flat))
+        for key, default in own.items():
+            object.__setattr__(self, key, settings.get(key, default))
+        self._validate()
+
+    def _validate(self) -> None:
+        check_pos("max_logprobs", self.max_logprobs)
         if self.precompile not in PRECOMPILE_MODES:
             raise ValueError(f"precompile must be one of {PRECOMPILE_MODES}, got {self.precompile!r}")
         if not (self.compilation_cache is None or isinstance(self.compilation_cache, (bool, str, os.PathLike))):
             raise ValueError(f"compilation_cache must be a directory path, False, 'off' or None, "
                              f"got {self.compilation_cache!r}")
-        if self.speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
-        _pos("num_speculative_tokens", self.num_speculative_tokens, optional=True)
-        _pos("draft_vocab_size", self.draft_vocab_size, optional=True)
-        _pos("yoco_keep_tokens", self.yoco_keep_tokens, optional=True)
-        if not isinstance(self.host_store_bytes, int) or self.host_store_bytes < 0:
-            raise ValueError(f"host_store_bytes must be an integer >= 0, got {self.host_store_bytes!r}")
-        if self.block_store is not None and not isinstance(self.block_store, (str, os.PathLike)):
-            raise ValueError(f"block_store must be a directory path or None, got {self.block_store!r}")
-        if self.block_store is not None and not self.host_store_bytes:
-            raise ValueError("block_store needs host_store_bytes > 0 (blocks pass through host memory)")
-        for name in ("async_scheduling", "structured_output_overlap", "profile_steps", "enable_prefix_caching", "encoder_replay",
-                     "block_store_fallback", "decoder_replay", "default_thinking_mode"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_bools(self, ("default_thinking_mode",))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        _sizes("token_buckets", self.token_buckets)
-        _sizes("request_buckets", self.request_buckets)
-        if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
-            raise ValueError(f"token_buckets must reach max_num_batched_tokens ({self.max_num_batched_tokens})")
-        if self.request_buckets and self.request_buckets[-1] < self.max_num_seqs:
-            raise ValueError(f"request_buckets must reach max_num_seqs ({self.max_num_seqs})")
-        self._check_sharding()
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per running request)")
+        if self.parallel.sharded:  # what attention data parallel does not support yet (across sections)
+            for name, bad, want in (("enable_prefix_caching", self.cache.enable_prefix_caching, "False"),
+                                    ("decoder_replay", self.cache.decoder_replay, "False"),
+                                    ("speculation", self.spec.speculation not in ("auto", "none"), "'auto' or 'none'")):
+                if bad:
+                    raise ValueError(f"{name} must be {want} with sharding (not supported with attention data "
+                                     f"parallel yet), got {getattr(self, name)!r}")
 
-    def _check_sharding(self) -> None:
-        if self.sharding is None:
-            return
-        if not (isinstance(self.sharding, (str, os.PathLike)) or _is_preset(self.sharding)):
-            raise ValueError(f"sharding must be a preset name, a .toml path, a ShardingPreset or None, "
-                             f"got {self.sharding!r}")
-        for name, bad, want in (("enable_prefix_caching", self.enable_prefix_caching, "False"),
-                                ("decoder_replay", self.decoder_replay, "False"),
-                                ("speculation", self.speculation not in ("auto", "none"), "'auto' or 'none'")):
-            if bad:
-                raise ValueError(f"{name} must be {want} with sharding (not supported with attention data "
-                                 f"parallel yet), got {getattr(self, name)!r}")
+    # ---- the flat view ----
+
+    @classmethod
+    def flat_fields(cls) -> tuple[dataclasses.Field, ...]:
+        """The dataclass fields of every flat setting (the sections', then ``EngineConfig``'s own)."""
+        own = tuple(f for f in dataclasses.fields(cls) if f.name not in SECTIONS)
+        return tuple(f for section in SECTIONS.values() for f in dataclasses.fields(section)) + own
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
-        return tuple(cls.__dataclass_fields__)
+        """The names of every flat setting (what ``LLM(**settings)`` accepts)."""
+        return tuple(f.name for f in cls.flat_fields())
+
+    def settings(self) -> dict[str, Any]:
+        """Every flat setting and its value."""
+        return {name: getattr(self, name) for name in self.fields()}
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with some flat settings (or whole sections) changed, validated again."""
+        sections = {k: changes.pop(k) for k in list(changes) if k in SECTIONS}
+        base = {k: v for k, v in self.settings().items() if _SECTION_OF.get(k) not in sections}
+        return EngineConfig(**sections, **{**base, **changes})
+
+
+def _flat(section: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, section), name),
+                    doc=f"``{section}.{name}`` (a flat setting)")
+
+
+for _name, _section in _SECTION_OF.items():
+    setattr(EngineConfig, _name, _flat(_section, _name))
+del _name, _section

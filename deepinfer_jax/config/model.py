@@ -470,7 +470,7 @@ class ModelConfig:
 
     @property
     def decoder_start(self) -> int:
-        """First decoder layer of the CED / YOCO split (model.md §6, §9.4): the candidate source,
+        """First decoder layer of the CED / YOCO split (model.md §6; §9, open point 4): the candidate source,
         else the first ratio-1 KV source, else none (``num_hidden_layers``); capped at the latter."""
         start = self.candidate_source_layer_id
         if start < 0:

@@ -151,7 +151,7 @@ def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[in
     target features, ``(logits, features [B, T, len(capture) * hidden])``.
     """
     if not isinstance(token_ids, jax.core.Tracer):
-        _check_token_ids(np.asarray(token_ids), cfg.vocab_size)
+        check_token_ids(np.asarray(token_ids), cfg.vocab_size)
     capture = tuple(int(i) for i in capture)
     if any(not 0 <= i < cfg.num_hidden_layers for i in capture) or list(capture) != sorted(set(capture)):
         raise ValueError(f"capture must be strictly increasing layer ids in [0, {cfg.num_hidden_layers}), "
@@ -160,7 +160,8 @@ def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[in
     return model(jnp.asarray(token_ids, jnp.int32), capture)
 
 
-def _check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """ValueError unless ``ids`` is a 2-D integer array ``[batch, seq_len >= 1]`` with every id in ``[0, vocab_size)``."""
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"token_ids must have shape [batch, seq_len] with seq_len >= 1, got {ids.shape}")
     if not np.issubdtype(ids.dtype, np.integer):

@@ -21,12 +21,11 @@ interpreter: CPU tests), ``gpu``, ``tpu``, ``cuda_ffi``, ``ascend``, ``auto`` (r
 that has no implementation for the selected platform falls back along ``FALLBACK`` (e.g. ``cuda_ffi``
 -> ``gpu`` -> ``cpu``), so selecting ``cuda_ffi`` keeps the Pallas kernels for the ops it lacks.
 
-The choice is baked into whatever is traced while it holds. ``use_kernels`` is a JAX
-configuration state included in the jit cache key and the trace context, so a jitted function
-called inside ``use_kernels`` retraces instead of reusing a trace made under another selection
-(JAX's states are private API: where it is missing, ``use_kernels`` falls back to a plain Python
-stack and then only functions first traced inside it see it). ``$DEEPINFER_KERNELS`` is not part
-of the key: set it before anything is traced.
+The choice is baked into whatever is traced while it holds. ``use_kernels`` sets a JAX user
+context (``jax.make_user_context``, public API) that is part of the jit cache key and the trace
+context, so a jitted function called inside ``use_kernels`` retraces instead of reusing a trace
+made under another selection. ``$DEEPINFER_KERNELS`` is not part of the key: set it before
+anything is traced.
 """
 
 from __future__ import annotations
@@ -93,23 +92,9 @@ TABLE: dict[str, dict[str, object]] = {
                        "cuda_ffi": _Lazy("deepinfer_jax.ops.ffi", "fp8_block_gemm")},
 }
 
-_override: list[str] = []  # fallback when JAX's configuration states are unavailable
-
-
-def _make_state():
-    """A JAX configuration state keyed into jit caches and trace contexts, or None (private JAX API)."""
-    try:
-        from jax._src import config as jax_config
-
-        return jax_config.optional_enum_state(
-            name="deepinfer_kernel_selection", enum_values=list(SETTINGS), default=None,
-            help="deepinfer_jax kernel selection set by deepinfer_jax.ops.use_kernels (internal)",
-            include_in_jit_key=True, include_in_trace_context=True)
-    except Exception:  # noqa: BLE001 -- any incompatibility means: use the plain fallback
-        return None
-
-
-_STATE = _make_state()
+#: The ``use_kernels`` selection: a JAX user context (``jax.make_user_context``, public API), so it is part of
+#: the jit cache key and the trace context; None outside every ``use_kernels`` block.
+_STATE = jax.make_user_context(None)
 
 
 def register(kernel: str, platform: str, impl: Callable | _Lazy) -> None:
@@ -127,10 +112,8 @@ def _check_setting(setting: str, source: str) -> str:
 
 def setting() -> str:
     """The active setting (context, then ``$DEEPINFER_KERNELS``, then ``auto``)."""
-    if _STATE is not None and _STATE.value is not None:
+    if _STATE.value is not None:
         return _STATE.value
-    if _override:
-        return _override[-1]
     env = os.environ.get(ENV_VAR)
     return _check_setting(env, f"${ENV_VAR}") if env else "auto"
 
@@ -177,12 +160,5 @@ def get(kernel: str) -> Callable:
 def use_kernels(setting_: str) -> Iterator[None]:
     """Select kernels for whatever is traced inside the block, e.g. ``use_kernels("pallas_interpret")``."""
     value = _check_setting(setting_, "use_kernels(setting)")
-    if _STATE is not None:
-        with _STATE(value):
-            yield
-        return
-    _override.append(value)
-    try:
+    with _STATE(value):
         yield
-    finally:
-        _override.pop()

@@ -7,7 +7,7 @@ package never needs CUDA)::
     cmake --build custom_calls/build -j2
 
 It is found through ``$DEEPINFER_FFI_LIB`` (a path to the .so), else ``custom_calls/build/`` or
-Bazel's ``custom_calls/bazel-bin/`` in the source tree. The first call of a wrapper loads it and
+Bazel's ``bazel-bin/custom_calls/`` in the source tree (the Bazel build runs from the root ``WORKSPACE``). The first call of a wrapper loads it and
 registers its handlers for the CUDA platform; a missing library is one ``FFILibraryNotFoundError``
 saying how to build it.
 
@@ -36,7 +36,7 @@ ENV_VAR = "DEEPINFER_FFI_LIB"
 LIB_NAME = "libdeepinfer_ffi.so"
 _REPO = Path(__file__).resolve().parents[2]
 #: Where the library is looked for when ``$DEEPINFER_FFI_LIB`` is not set (CMake first, then Bazel).
-DEFAULT_LOCATIONS = (_REPO / "custom_calls" / "build" / LIB_NAME, _REPO / "custom_calls" / "bazel-bin" / LIB_NAME)
+DEFAULT_LOCATIONS = (_REPO / "custom_calls" / "build" / LIB_NAME, _REPO / "bazel-bin" / "custom_calls" / LIB_NAME)
 #: XLA custom-call target name -> exported handler symbol.
 TARGETS = {
     "deepinfer_fp8_block_gemm": "DeepinferFp8BlockGemm",

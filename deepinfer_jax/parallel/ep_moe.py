@@ -39,13 +39,13 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from deepinfer_jax.config.eplb import DISPATCHES
 from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.moe import route, swiglu
 from deepinfer_jax.parallel.mesh import shard_map
 
 __all__ = ["DISPATCHES", "EPConfig", "EPLayer", "EPStats", "ep_moe", "ep_moe_local", "expert_rows", "linear_index"]
 
-DISPATCHES = ("all_to_all", "ragged_all_to_all")
 TABLES = ("phys_to_log", "slots_by_expert", "first_slot", "replica_count")
 
 

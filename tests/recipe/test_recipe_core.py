@@ -20,7 +20,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "deepinfer_jax" / "recipe"
 
 
 def test_recipe_package_never_imports_jax() -> None:
-    """Host code (design.md §3.1): no jax/flax import anywhere in recipe/, not even a lazy one."""
+    """Host code (docs/architecture.md §4): no jax/flax import anywhere in recipe/, not even a lazy one."""
     for path in RECIPE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

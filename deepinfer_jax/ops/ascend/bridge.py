@@ -16,7 +16,7 @@ import numpy as np
 from deepinfer_jax.ops.ascend import backend
 from deepinfer_jax.ops.ascend.dlpack import to_jax, to_torch
 
-_Tracer = getattr(jax.core, "Tracer", None) or jax._src.core.Tracer  # public in jax 0.10-0.12
+_Tracer = jax.core.Tracer  # public in jax 0.10-0.12
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
