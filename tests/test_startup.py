@@ -168,3 +168,44 @@ def test_abstract_model_is_built_once_kept_on_disk_and_keyed_by_config(tmp_path,
     abstract_cache._cached.cache_clear()
     assert abstract_cache.abstract_model(DeepseekV41, cfg)[0] == g1 and len(builds) == 3
     abstract_cache._cached.cache_clear()
+
+
+def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from deepinfer_jax.runner.program_store import StoredJit
+
+    monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
+    traced, loaded = [], []
+
+    def step(scale, state, x):
+        traced.append(1)
+        return {"state": {1: state[1] * scale + x.sum()}, "y": jnp.tanh(x) * scale}
+
+    def make():
+        return StoredJit(step, "toy", static_argnums=(0,), donate_argnums=(1,), on_build=lambda: loaded.append(1))
+
+    x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
+    first = make()(3, {1: jnp.ones(4)}, x)
+    assert len(traced) == 1 and not loaded and len(list((tmp_path / "xla-programs").iterdir())) == 1
+    again = make()  # a new process: the program comes from the file, nothing is traced
+    state = {1: jnp.ones(4)}
+    second = again(3, state, x)
+    assert len(traced) == 1 and len(loaded) == 1
+    assert state[1].is_deleted()  # the donation survives the stored form
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), first, second))
+    again(3, {1: jnp.ones(4)}, x)
+    assert len(traced) == 1 and len(loaded) == 1  # in memory now
+    again(4, {1: jnp.ones(4)}, x)  # another static argument
+    again(3, {1: jnp.ones(4)}, x[:2])  # another shape
+    assert len(traced) == 3 and len(list((tmp_path / "xla-programs").iterdir())) == 3
+    for f in (tmp_path / "xla-programs").iterdir():
+        f.write_bytes(b"damaged")
+    make()(3, {1: jnp.ones(4)}, x)  # a damaged file is traced again, not trusted
+    assert len(traced) == 4
+    monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "off")
+    make()(5, {1: jnp.ones(4)}, x)
+    assert len(traced) == 5 and len(list((tmp_path / "xla-programs").iterdir())) == 3
+    plain = jax.jit(step, static_argnums=(0,))(3, {1: jnp.ones(4)}, x)  # the plain jit computes the same
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), plain, second))
