@@ -16,7 +16,6 @@ from deepinfer_jax import LLM, SamplingParams, compile_cache
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine.spec_policy import StepTimes
 
-
 # --- the compilation cache -------------------------------------------------------------------
 
 
@@ -142,9 +141,9 @@ def test_lazy_buckets_pad_into_a_compiled_bucket_until_one_is_wanted_often():
 def test_abstract_model_is_built_once_kept_on_disk_and_keyed_by_config(tmp_path, monkeypatch):
     from flax import nnx
 
+    from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.model import abstract_cache
     from deepinfer_jax.model.deepseek_v41 import DeepseekV41
-    from deepinfer_jax.config import ModelConfig
 
     cfg = ModelConfig.tiny()
     builds = []
@@ -197,15 +196,21 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), first, second))
     again(3, {1: jnp.ones(4)}, x)
     assert len(traced) == 1 and len(loaded) == 1  # in memory now
+    from deepinfer_jax.ops.dispatch import use_kernels
+
+    with use_kernels("pallas_interpret"):  # the kernel selection is part of the key, as in jit's
+        again(3, {1: jnp.ones(4)}, x)
+    assert len(traced) == 2
+    traced.pop()
     again(4, {1: jnp.ones(4)}, x)  # another static argument
     again(3, {1: jnp.ones(4)}, x[:2])  # another shape
-    assert len(traced) == 3 and len(list((tmp_path / "xla-programs").iterdir())) == 3
+    assert len(traced) == 3 and len(list((tmp_path / "xla-programs").iterdir())) == 4
     for f in (tmp_path / "xla-programs").iterdir():
         f.write_bytes(b"damaged")
     make()(3, {1: jnp.ones(4)}, x)  # a damaged file is traced again, not trusted
     assert len(traced) == 4
     monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "off")
     make()(5, {1: jnp.ones(4)}, x)
-    assert len(traced) == 5 and len(list((tmp_path / "xla-programs").iterdir())) == 3
+    assert len(traced) == 5 and len(list((tmp_path / "xla-programs").iterdir())) == 4
     plain = jax.jit(step, static_argnums=(0,))(3, {1: jnp.ones(4)}, x)  # the plain jit computes the same
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), plain, second))

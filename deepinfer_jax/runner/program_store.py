@@ -10,7 +10,7 @@ under ``jax.jit(exported.call)``, whose XLA program the compilation cache then s
 in every process goes through the exported form, so cold and warm processes run the same program
 (bit-identical results; tested).
 
-A signature is the static arguments' ``repr``, the tree structure and the shapes/dtypes/weak types
+A signature is the static arguments' ``repr``, the kernel selection and matmul precision, the tree structure and the shapes/dtypes/weak types
 of the array arguments; a file's name also hashes the source of the whole ``deepinfer_jax`` package,
 the jax/jaxlib/flax versions, the backend and device kind, the x64 setting and every ``DEEPINFER_*``
 / ``XLA_FLAGS`` environment variable, so an edited engine, another version, machine or kernel switch
@@ -66,6 +66,14 @@ def _aval(leaf) -> tuple:
     return tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False))
 
 
+def _context() -> tuple:
+    """What else selects a traced program: the kernel selection (``ops.dispatch.use_kernels``, a jit
+    key context) and the default matmul precision."""
+    from deepinfer_jax.ops import dispatch
+
+    return dispatch.setting(), str(jax.config.jax_default_matmul_precision)
+
+
 def _store_dir() -> Path | None:
     if os.environ.get(ENV, "on").strip().lower() in ("off", "0", "false"):
         return None
@@ -97,7 +105,7 @@ class StoredJit:
         if where is None or _multi_device(leaves):
             return self._plain(*args)
         statics = tuple(args[i] for i in self.static)
-        key = (statics, in_tree, tuple(map(_aval, leaves)))
+        key = (statics, _context(), in_tree, tuple(map(_aval, leaves)))
         entry = self._programs.get(key)
         if entry is None:
             entry = self._programs[key] = self._program(where, args, statics, in_tree, leaves)
@@ -123,7 +131,7 @@ class StoredJit:
     def _program(self, where: Path, args, statics, in_tree, leaves):
         from jax import export
 
-        text = "\n".join([self.name, repr(statics), str(in_tree), repr([_aval(x) for x in leaves]), _env_flags(),
+        text = "\n".join([self.name, repr(statics), repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]), _env_flags(),
                           _environment_digest()])
         path = where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
         exported = out_tree = None
