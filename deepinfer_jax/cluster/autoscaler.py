@@ -12,7 +12,7 @@ instance's capacity ``cap`` (tokens/s, or running requests it sustains):
   ``up_window_s``), by at most ``max_step_up``, no sooner than ``up_cooldown_s`` after the last
   scale-up. Instances come from the ready pool at once, else cold-start (the caller's business).
 * **Scale down** when ``current > desired(load_down)`` (``load_down``: the *peak* over the last
-  ``down_window_s``), by at most ``max_step_down``, no sooner than ``down_after_up_s`` after the last
+  ``down_window_s``) plus ``down_hysteresis`` instances, to that count, by at most ``max_step_down``, no sooner than ``down_after_up_s`` after the last
   scale-up and ``down_after_down_s`` after the last scale-down; never while quota use
   ``load_now / (current * cap)`` exceeds ``no_scale_down_above`` (80%), and only by as many
   instances as keep the projected use ``load_down / ((current - k) * cap)`` at or below it.
@@ -55,6 +55,7 @@ class RoleSettings:
     up_window_s: float = 60.0
     down_window_s: float = 1800.0
     no_scale_down_above: float = 0.8
+    down_hysteresis: int = 1
 
     def __post_init__(self) -> None:
         check_number("capacity", self.capacity, 0.0, strict=True)
@@ -68,6 +69,7 @@ class RoleSettings:
         for name in ("up_cooldown_s", "down_after_up_s", "down_after_down_s", "up_window_s", "down_window_s"):
             check_number(name, getattr(self, name), 0.0)
         check_number("no_scale_down_above", self.no_scale_down_above, 0.0, 1.0, strict=True)
+        check_int("down_hysteresis", self.down_hysteresis, 0)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_d
             return 0, "scale-up held: up_cooldown_s"
         return min(want_up - n, s.max_step_up), f"load {load_up:.4g} needs {want_up}"
     _, want_down = desired_instances(load_down, s)
+    want_down = min(s.max_instances, want_down + s.down_hysteresis)
     if want_down >= n:
         return 0, "steady"
     if now - state.last_up < s.down_after_up_s or now - state.last_down < s.down_after_down_s:
