@@ -7,13 +7,34 @@ import random
 import pytest
 
 from deepinfer_jax.cache.block_hash import block_digests, extra_keys
-from deepinfer_jax.cluster.policies import (Autoscaler, AutoscalerSettings, ClusterSignals, DecodeInstanceView,
-                                            PolicyInputError, PrefillBalancer, PrefillEngineView, PrefixIndex,
-                                            RankLoad, RoleSettings, RoleState, ScaleDecision, count_oscillations,
-                                            decide, length_bucket, match_digests, match_tokens, num_patches,
-                                            pick_decode_rank, pick_prefill_group, pick_prefill_rank,
-                                            pick_vision_card, reassign_engines, request_quota, resize_buckets,
-                                            route_prefill)
+from deepinfer_jax.cluster.policies import (
+    Autoscaler,
+    AutoscalerSettings,
+    ClusterSignals,
+    DecodeInstanceView,
+    PolicyInputError,
+    PrefillBalancer,
+    PrefillEngineView,
+    PrefixIndex,
+    RankLoad,
+    RoleSettings,
+    RoleState,
+    ScaleDecision,
+    count_oscillations,
+    decide,
+    length_bucket,
+    match_digests,
+    match_tokens,
+    num_patches,
+    pick_decode_rank,
+    pick_prefill_group,
+    pick_prefill_rank,
+    pick_vision_card,
+    reassign_engines,
+    request_quota,
+    resize_buckets,
+    route_prefill,
+)
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_router import pick_rank
 

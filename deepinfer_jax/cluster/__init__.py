@@ -6,5 +6,5 @@ of the instances. ``simulate``: a discrete-event simulator that judges them agai
 Pure Python (numpy only in the traces); the live cluster (roles, Ray, forwarding) builds on these.
 """
 
-from deepinfer_jax.cluster.policies import *  # noqa: F401,F403
+from deepinfer_jax.cluster.policies import *
 from deepinfer_jax.cluster.policies import __all__  # noqa: F401

@@ -21,8 +21,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from deepinfer_jax.cluster.autoscaler import (Autoscaler, AutoscalerSettings, ClusterSignals, RoleSettings,
-                                              count_oscillations)
+from deepinfer_jax.cluster.autoscaler import (
+    Autoscaler,
+    AutoscalerSettings,
+    ClusterSignals,
+    RoleSettings,
+    count_oscillations,
+)
 from deepinfer_jax.cluster.errors import check_number
 from deepinfer_jax.cluster.traces import diurnal_rate
 

@@ -27,6 +27,7 @@ instance scaled down is drained by the caller (grace period, then forwarding; no
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -228,4 +229,4 @@ def count_oscillations(decisions, window_s: float, role: str) -> int:
     if role not in {f.name for f in fields(ScaleDecision)} - {"time", "reasons"}:
         raise PolicyInputError("role", f"must be 'prefill' or 'decode', got {role!r}")
     changes = [(d.time, getattr(d, role)) for d in decisions if getattr(d, role)]
-    return sum(1 for (t0, a), (t1, b) in zip(changes, changes[1:]) if (a > 0) != (b > 0) and t1 - t0 < window_s)
+    return sum(1 for (t0, a), (t1, b) in itertools.pairwise(changes) if (a > 0) != (b > 0) and t1 - t0 < window_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PolicyInputError", "check_int", "check_number", "check_nonempty"]
+__all__ = ["PolicyInputError", "check_int", "check_nonempty", "check_number"]
 
 
 class PolicyInputError(ValueError):

@@ -7,13 +7,31 @@ and ``autoscaler``. All are pure functions or small dataclasses over the caller'
 instances; bad input raises ``PolicyInputError`` (a ``ValueError``) naming the field.
 """
 
-from deepinfer_jax.cluster.autoscaler import (Autoscaler, AutoscalerSettings, ClusterSignals, RoleSettings, RoleState,
-                                              ScaleDecision, count_oscillations, decide, desired_instances)
+from deepinfer_jax.cluster.autoscaler import (
+                                              Autoscaler,
+                                              AutoscalerSettings,
+                                              ClusterSignals,
+                                              RoleSettings,
+                                              RoleState,
+                                              ScaleDecision,
+                                              count_oscillations,
+                                              decide,
+                                              desired_instances,
+)
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, RankLoad, pick_decode_rank
 from deepinfer_jax.cluster.errors import PolicyInputError
-from deepinfer_jax.cluster.prefill_balancer import (BUCKET_EDGES, PrefillBalancer, PrefillEngineView, length_bucket,
-                                                    pick_prefill_group, pick_prefill_rank, reassign_engines,
-                                                    request_quota, resize_buckets, route_prefill)
+from deepinfer_jax.cluster.prefill_balancer import (
+                                              BUCKET_EDGES,
+                                              PrefillBalancer,
+                                              PrefillEngineView,
+                                              length_bucket,
+                                              pick_prefill_group,
+                                              pick_prefill_rank,
+                                              reassign_engines,
+                                              request_quota,
+                                              resize_buckets,
+                                              route_prefill,
+)
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, PrefixMatch, match_digests, match_tokens
 from deepinfer_jax.cluster.vision_balancer import num_patches, pick_vision_card
 

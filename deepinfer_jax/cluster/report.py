@@ -21,8 +21,9 @@ def sim_table(results) -> str:
 
 
 def day_table(days) -> str:
-    lines = ["| autoscaler (24 h) | instance-hours | ready-pool hours | scale events | oscillations |"
-             " prefill overload s | decode overload s | prefill range | decode range |", "|" + "---|" * 9]
+    head = ("| autoscaler (24 h) | instance-hours | ready-pool hours | scale events | oscillations |"
+            " prefill overload s | decode overload s | prefill range | decode range |")
+    lines = [head, "|" + "---|" * 9]
     for d in days:
         lines.append(f"| {d.name} | {d.instance_hours:.1f} | {d.ready_pool_hours:.1f} | {d.scale_events} |"
                      f" {d.oscillations} | {d.prefill_overload_s:.0f} | {d.decode_overload_s:.0f} |"

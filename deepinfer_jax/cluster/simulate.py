@@ -37,7 +37,7 @@ import numpy as np
 
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
-from deepinfer_jax.cluster.prefill_balancer import BUCKET_EDGES, PrefillBalancer, length_bucket, request_quota
+from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, length_bucket, request_quota
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_digests
 from deepinfer_jax.cluster.step_models import DecodeStepModel, production_prefill_model
 from deepinfer_jax.cluster.traces import Trace
@@ -87,14 +87,14 @@ class SimResult:
 
 
 class _Job:
-    __slots__ = ("req", "q", "c", "bucket")
+    __slots__ = ("bucket", "c", "q", "req")
 
     def __init__(self, req, q, c, bucket):
         self.req, self.q, self.c, self.bucket = req, q, c, bucket
 
 
 def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
-             decode_model: DecodeStepModel = DecodeStepModel(), seed: int = 0, warmup_s: float | None = None,
+             decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
              drain_s: float = 120.0) -> SimResult:
     """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
     (default 20% of the trace)."""
@@ -104,7 +104,7 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         raise PolicyInputError("trace", "has no requests")
     cm = cost_model or production_prefill_model()
     a0 = float(cm.coef[0])
-    dm = decode_model
+    dm = decode_model or DecodeStepModel()
     tps = dm.tokens_per_step
     warm = trace.duration_s * 0.2 if warmup_s is None else warmup_s
     warm_at = [warm]

@@ -38,7 +38,7 @@ VOCAB = 100_000
 class _Chain:
     """A growing token sequence's block digests (the hash chain), extended incrementally."""
 
-    __slots__ = ("digests", "tail", "length")
+    __slots__ = ("digests", "length", "tail")
 
     def __init__(self) -> None:
         self.digests: list[bytes] = []
