@@ -1,0 +1,310 @@
+"""A discrete-event simulator of the disaggregated cluster (issue 23 item 6; docs/cluster.md).
+
+Events (a ``heapq`` of ``(time, seq, kind, payload)``): request arrivals, prefill engine steps,
+decode instance events, metric samples, bucket re-size rounds. What happens:
+
+* **Entry**: the request's block chain is matched against the store index (``prefix_index``):
+  hit and uncached tokens are known before routing; quota = ``cost(q, c)``.
+* **Prefill** engines of ``prefill_ranks`` DP ranks step in lockstep: each rank fills the step
+  budget from its FIFO queue with the cost model's chunking (``CostModel.largest_q``, layer 4), a
+  step lasts ``a0 + max over ranks`` of the chunk costs. A finished prompt writes its blocks to
+  the index and is handed to decode at once (TTFT = prefill end - arrival).
+* **Decode** instances of ``decode_ranks`` ranks step in lockstep with ``DecodeStepModel``; every
+  running request gains ``tokens_per_step`` tokens per step. The simulation is exact between
+  events for the step count and re-reads the step time at every event (arrival, finish, and a
+  refresh every ``decode_refresh_s``, since KV grows between them). A finished request writes the
+  blocks its output completed (TPOT = decode time / output tokens).
+* **Policies**: ``deepinfer`` (the prefill balancer's four layers, ``pick_decode_rank``) against
+  ``round_robin``, ``request_count`` (vLLM-router style: fewest outstanding requests) and
+  ``random``, each over all ranks, flat.
+
+Balance, as ``sum of the max / sum of the mean`` over samples in the measured window (a ratio of
+averages, so idle moments never divide by zero): prefill, every lockstep step of every engine is a
+sample of its ranks' compute quota in that step (the step lasts as long as the slowest rank, the
+others pad: the ``moe_lb`` of engine.md §3 for attention ranks); decode, every ``sample_s`` the
+attention cost ``d2 * kv`` of every rank of every instance. Deterministic for a given trace, shape and seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
+from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
+from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, length_bucket, request_quota
+from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_digests
+from deepinfer_jax.cluster.step_models import DecodeStepModel, production_prefill_model
+from deepinfer_jax.cluster.traces import Trace
+from deepinfer_jax.engine.dp_router import RankLoad
+
+__all__ = ["POLICIES", "ClusterShape", "SimResult", "simulate"]
+
+POLICIES = ("deepinfer", "round_robin", "request_count", "random")
+BUCKET_NAMES = ("<16K", "16-64K", "64-256K", ">=256K")
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """Instances and their DP ranks (default: the seed's 64 prefill + 64 decode ranks)."""
+
+    prefill_engines: int = 16
+    prefill_ranks: int = 4
+    decode_instances: int = 4
+    decode_ranks: int = 16
+    step_budget_ns: float = 250e6
+    round_s: float = 5.0
+    sample_s: float = 0.25
+    decode_refresh_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_engines", "prefill_ranks", "decode_instances", "decode_ranks"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("step_budget_ns", "round_s", "sample_s", "decode_refresh_s"):
+            check_number(name, getattr(self, name), 0.0, strict=True)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    trace: str
+    ttft_ms: dict          # bucket name -> (p50, p99, count)
+    tpot_ms: tuple         # (p50, p99)
+    prefill_balance: float
+    decode_balance: float
+    output_tok_s: float
+    input_tok_s: float
+    hit_rate: float
+    finished: int
+    measured: int
+    prefill_util: float    # quota arrived / prefill capacity over the measured window
+    decode_rows: float     # mean running requests per decode rank
+
+
+class _Job:
+    __slots__ = ("bucket", "c", "q", "req")
+
+    def __init__(self, req, q, c, bucket):
+        self.req, self.q, self.c, self.bucket = req, q, c, bucket
+
+
+def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
+             decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
+             drain_s: float = 120.0) -> SimResult:
+    """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
+    (default 20% of the trace)."""
+    if policy not in POLICIES:
+        raise PolicyInputError("policy", f"must be one of {POLICIES}, got {policy!r}")
+    if not trace.requests:
+        raise PolicyInputError("trace", "has no requests")
+    cm = cost_model or production_prefill_model()
+    a0 = float(cm.coef[0])
+    dm = decode_model or DecodeStepModel()
+    tps = dm.tokens_per_step
+    warm = trace.duration_s * 0.2 if warmup_s is None else warmup_s
+    warm_at = [warm]
+    rng = random.Random(seed)
+    index = PrefixIndex(set(trace.warm_blocks))
+    E, R, D, DR = shape.prefill_engines, shape.prefill_ranks, shape.decode_instances, shape.decode_ranks
+    # prefill state
+    queues = [[deque() for _ in range(R)] for _ in range(E)]
+    backlog = [[0.0] * R for _ in range(E)]
+    stepping = [False] * E
+    balancer = PrefillBalancer(E, shape.round_s * 1e9) if policy == "deepinfer" else None
+    # decode state
+    rows = [[0] * DR for _ in range(D)]
+    base = [[0.0] * DR for _ in range(D)]
+    progress = [0.0] * D
+    step_ns = [dm.d0] * D
+    last_t = [0.0] * D
+    version = [0] * D
+    running: list[list] = [[] for _ in range(D)]  # heaps of (finish_step, rid, rank, join, req, admit_t)
+    counters = {"rr_p": 0, "rr_d": 0}
+    events: list = []
+    seq = 0
+
+    def push(t, kind, payload):
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, payload))
+
+    ttft: dict[int, list] = {b: [] for b in range(4)}
+    tpot: list = []
+    samples_p: list = []
+    samples_d: list = []
+    out_tokens = in_tokens = hit_tokens = 0
+    quota_in = 0.0
+    rows_samples: list = []
+    measured = finished = 0
+    t_end = trace.duration_s
+
+    def kv_of(i, r):
+        return base[i][r] + rows[i][r] * progress[i] * tps
+
+    def advance(i, now):
+        if step_ns[i] > 0 and now > last_t[i]:
+            progress[i] += (now - last_t[i]) * 1e9 / step_ns[i]
+        last_t[i] = now
+
+    def retime(i, now):
+        worst = max(dm.rank_ns(rows[i][r], kv_of(i, r)) for r in range(DR))
+        step_ns[i] = dm.d0 + worst
+        version[i] += 1
+        if running[i]:
+            steps_left = max(0.0, running[i][0][0] - progress[i])
+            dt = min(steps_left * step_ns[i] / 1e9, shape.decode_refresh_s)
+            push(now + dt, "decode", (i, version[i]))
+
+    def route_prefill(req, quota):
+        if policy == "deepinfer":
+            return balancer.route(req.num_tokens, quota, backlog)
+        n = E * R
+        if policy == "round_robin":
+            k = counters["rr_p"] % n
+            counters["rr_p"] += 1
+        elif policy == "random":
+            k = rng.randrange(n)
+        else:
+            k = min(range(n), key=lambda j: (len(queues[j // R][j % R]), j))
+        return k // R, k % R
+
+    def route_decode(num_tokens):
+        if policy == "deepinfer":
+            views = [DecodeInstanceView(tuple(RankLoad(rows[i][r], int(kv_of(i, r))) for r in range(DR)))
+                     for i in range(D)]
+            return pick_decode_rank(views, num_tokens)
+        n = D * DR
+        if policy == "round_robin":
+            k = counters["rr_d"] % n
+            counters["rr_d"] += 1
+        elif policy == "random":
+            k = rng.randrange(n)
+        else:
+            k = min(range(n), key=lambda j: (rows[j // DR][j % DR], j))
+        return k // DR, k % DR
+
+    def start_step(e, now):
+        cost = [0.0] * R
+        done = []
+        for r in range(R):
+            left = shape.step_budget_ns
+            for job in queues[e][r]:
+                q = cm.largest_q(left, job.c, job.q)
+                if q <= 0:
+                    if cost[r] > 0:
+                        break
+                    q = min(job.q, 128)  # a step always advances its first chunk
+                spent = cm.chunk_cost(q, job.c)
+                cost[r] += spent
+                left -= spent
+                job.q -= q
+                job.c += q
+                if job.q == 0:
+                    done.append((r, job))
+                if left <= 0 or job.q > 0:
+                    break
+        stepping[e] = True
+        if now >= warm_at[0]:
+            samples_p.append((max(cost), sum(cost) / R))
+        push(now + (a0 + max(cost)) / 1e9, "pstep", (e, done))
+
+    def admit_decode(req, now):
+        i, r = route_decode(req.num_tokens)
+        advance(i, now)
+        steps = math.ceil(req.output_tokens / tps)
+        rows[i][r] += 1
+        base[i][r] += req.num_tokens - progress[i] * tps
+        heapq.heappush(running[i], (progress[i] + steps, req.rid, r, progress[i], req, now))
+        retime(i, now)
+
+    for req in trace.requests:
+        push(req.arrival, "arrive", req)
+    t = 0.0
+    while t < t_end:
+        push(t, "sample", None)
+        t += shape.sample_s
+    if balancer is not None:
+        t = shape.round_s
+        while t < t_end + drain_s:
+            push(t, "round", None)
+            t += shape.round_s
+    limit = t_end + drain_s
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if now > limit:
+            break
+        if kind == "arrive":
+            req = payload
+            m = match_digests(req.chain[: req.prompt_blocks], req.num_tokens, index)
+            q, c = m.uncached_tokens + m.replay_tokens, m.hit_tokens - m.replay_tokens
+            quota = request_quota(cm, m.uncached_tokens, m.hit_tokens, m.replay_tokens)
+            if req.arrival >= warm:
+                hit_tokens += m.hit_tokens
+                in_tokens += req.num_tokens
+                quota_in += quota
+            e, r = route_prefill(req, quota)
+            queues[e][r].append(_Job(req, q, c, length_bucket(req.num_tokens)))
+            backlog[e][r] += quota
+            if not stepping[e]:
+                start_step(e, now)
+        elif kind == "pstep":
+            e, done = payload
+            for r, job in done:
+                queues[e][r].remove(job)
+                req = job.req
+                index.add(req.chain[: req.prompt_blocks])
+                if req.arrival >= warm:
+                    ttft[job.bucket].append(now - req.arrival)
+                admit_decode(req, now)
+            for r in range(R):
+                backlog[e][r] = sum(cm.chunk_cost(j.q, j.c) for j in queues[e][r])
+            stepping[e] = False
+            if any(queues[e]):
+                start_step(e, now)
+        elif kind == "decode":
+            i, ver = payload
+            if ver != version[i]:
+                continue
+            advance(i, now)
+            h = running[i]
+            while h and h[0][0] <= progress[i] + 1e-9:
+                _, _, r, join, req, admit_t = heapq.heappop(h)
+                rows[i][r] -= 1
+                base[i][r] -= req.num_tokens - join * tps
+                index.add(req.chain[req.prompt_blocks: req.done_blocks])
+                finished += 1
+                if req.arrival >= warm:
+                    measured += 1
+                    tpot.append((now - admit_t) / req.output_tokens)
+                    if now <= t_end:
+                        out_tokens += req.output_tokens
+            retime(i, now)
+        elif kind == "sample":
+            if now >= warm:
+                for i in range(D):
+                    advance(i, now)
+                att = [dm.attention_ns(kv_of(i, r)) for i in range(D) for r in range(DR)]
+                samples_d.append((max(att), sum(att) / len(att)))
+                rows_samples.append(sum(map(sum, rows)) / (D * DR))
+        elif kind == "round":
+            balancer.end_round([sum(b) for b in backlog])
+
+    def ratio(samples):
+        mean = sum(s[1] for s in samples)
+        return sum(s[0] for s in samples) / mean if mean > 0 else float("nan")
+
+    def pct(xs, p):
+        return float(np.percentile(xs, p)) * 1e3 if xs else float("nan")
+
+    span = max(t_end - warm, 1e-9)
+    return SimResult(
+        policy, trace.name,
+        {BUCKET_NAMES[b]: (pct(ttft[b], 50), pct(ttft[b], 99), len(ttft[b])) for b in range(4)},
+        (pct(tpot, 50), pct(tpot, 99)), ratio(samples_p), ratio(samples_d), out_tokens / span, in_tokens / span,
+        hit_tokens / in_tokens if in_tokens else 0.0, finished, measured, quota_in / (E * R * span * 1e9),
+        sum(rows_samples) / max(len(rows_samples), 1))
