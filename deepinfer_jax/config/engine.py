@@ -88,6 +88,10 @@ class EngineConfig:
         seed: the engine seed for requests without their own.
         max_logprobs: most top logprobs a request may ask for.
         token_buckets / request_buckets: the step shapes (None = derived).
+        block_buckets: the step's block-table widths (None = ``runner.buckets.block_buckets``: the
+            widest, ``max_blocks_per_request``, and narrower ones about 4x apart down to 512 tokens,
+            so a short batch's indexer scan does not cover ``max_model_len``); the last must be
+            ``max_blocks_per_request``.
         precompile: "lazy" (the default) or "all" (``PRECOMPILE_MODES``): whether ``LLM()`` compiles
             every step bucket and runs the start-up profiling (cost model, speculation step times)
             before returning, or leaves each bucket to its first use and takes the profiles from
@@ -154,6 +158,7 @@ class EngineConfig:
     max_logprobs: int = 5
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
+    block_buckets: tuple[int, ...] | None = None
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
     swa_snapshot_entries: int = 256
@@ -210,6 +215,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         _sizes("token_buckets", self.token_buckets)
         _sizes("request_buckets", self.request_buckets)
+        _sizes("block_buckets", self.block_buckets)
         if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(f"token_buckets must reach max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.request_buckets and self.request_buckets[-1] < self.max_num_seqs:
