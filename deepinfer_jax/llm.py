@@ -48,6 +48,7 @@ from deepinfer_jax.engine.dp_core import DPEngineCore
 from deepinfer_jax.engine.profiling import profile_cost_model, profile_step_times
 from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
 from deepinfer_jax.runner import Buckets, ModelRunner, SampleSpec
+from deepinfer_jax.runner.buckets import block_buckets
 from deepinfer_jax.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_CHECKPOINT", "LLM", "PRESETS"]
@@ -157,8 +158,10 @@ class LLM:
         k = cfg.dspark_block_size if self.speculation != "none" else 0
         if k and cache_cfg.spec_slack < k:
             raise ValueError(f"speculation needs the cache's spec_slack ({cache_cfg.spec_slack}) >= dspark_block_size {k}")
+        if ec.block_buckets and ec.block_buckets[-1] != mbpr:
+            raise ValueError(f"block_buckets must end at max_blocks_per_request ({mbpr}), got {ec.block_buckets}")
         buckets = Buckets(tokens=ec.token_buckets or _token_buckets(ec, k), requests=ec.request_buckets or (ec.max_num_seqs,),
-                          blocks=(mbpr,))
+                          blocks=ec.block_buckets or block_buckets(mbpr, bs))
         self.max_model_len, self.cache_config, self.buckets = max_len, cache_cfg, buckets
 
         extra = extra_keys(self.fingerprint(), ec.cache_salt) if ec.enable_prefix_caching else None

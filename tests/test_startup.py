@@ -128,13 +128,13 @@ def test_lazy_buckets_pad_into_a_compiled_bucket_until_one_is_wanted_often():
     from deepinfer_jax.runner.buckets import BucketUse
 
     eager = BucketUse((8, 32, 64))
-    assert [eager.choose(n, 4, 2) for n in (8, 32, 8)] == [8, 32, 8]  # always the tightest bucket
+    assert [eager.choose(n, 4, 2)[0] for n in (8, 32, 8)] == [8, 32, 8]  # always the tightest bucket
     lazy = BucketUse((8, 32, 64), lazy=True, compile_after=3)
-    assert lazy.choose(8, 4, 2) == 64  # nothing compiled: the largest, which every later step fits
-    assert lazy.choose(32, 4, 2) == 64 and lazy.choose(8, 4, 2) == 64
-    assert lazy.choose(8, 4, 2) == 8  # the third want of 8 compiles it
-    assert lazy.choose(8, 4, 2) == 8 and lazy.choose(32, 4, 2) == 64
-    assert lazy.choose(8, 2, 2) == 64  # another request width has its own compiled set
+    assert lazy.choose(8, 4, 2) == (64, 2)  # nothing compiled: the largest, which every later step fits
+    assert lazy.choose(32, 4, 2) == (64, 2) and lazy.choose(8, 4, 2) == (64, 2)
+    assert lazy.choose(8, 4, 2) == (8, 2)  # the third want of 8 compiles it
+    assert lazy.choose(8, 4, 2) == (8, 2) and lazy.choose(32, 4, 2) == (64, 2)
+    assert lazy.choose(8, 2, 2) == (64, 2)  # another request width has its own compiled set
     assert lazy.compiled == {(64, 4, 2), (8, 4, 2), (64, 2, 2)}
 
 
@@ -214,3 +214,17 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
     assert len(traced) == 5 and len(list((tmp_path / "xla-programs").iterdir())) == 4
     plain = jax.jit(step, static_argnums=(0,))(3, {1: jnp.ones(4)}, x)  # the plain jit computes the same
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), plain, second))
+
+
+def test_lazy_block_buckets_pad_into_a_compiled_wider_table_until_one_is_wanted_often():
+    from deepinfer_jax.runner.buckets import BucketUse
+
+    eager = BucketUse((8, 64), blocks=(2, 8, 32))
+    assert [eager.choose(8, 1, b) for b in (2, 32, 8)] == [(8, 2), (8, 32), (8, 8)]  # always the narrowest
+    lazy = BucketUse((8, 64), lazy=True, compile_after=3, blocks=(2, 8, 32))
+    assert lazy.choose(8, 1, 2) == (64, 32)  # nothing compiled: the largest of both, which every step fits
+    assert lazy.choose(8, 1, 8) == (64, 32) and lazy.choose(8, 1, 8) == (64, 32)
+    assert lazy.choose(8, 1, 8) == (8, 8)  # the third want compiles the tight shape
+    assert lazy.choose(8, 1, 2) == (8, 8)  # the fewest tokens, then the narrowest table that fits
+    assert lazy.choose(64, 1, 2) == (64, 32) and lazy.choose(8, 1, 32) == (64, 32)
+    assert lazy.compiled == {(64, 1, 32), (8, 1, 8)}

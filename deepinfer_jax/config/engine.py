@@ -68,7 +68,7 @@ class EngineConfig:
 
     Sections: ``scheduler`` (``SchedulerConfig``: max_num_seqs, max_model_len, chunking,
     max_num_batched_tokens, step_budget_ns, profile_steps, cost_model_dir, async_scheduling,
-    structured_output_overlap, token_buckets, request_buckets), ``cache`` (``CacheSettings``: block_size,
+    structured_output_overlap, token_buckets, request_buckets, block_buckets), ``cache`` (``CacheSettings``: block_size,
     num_blocks, max_blocks_per_request, kv_storage, enable_prefix_caching, cache_salt,
     swa_snapshot_entries, encoder_replay, replay_tokens, decoder_replay, yoco_keep_tokens,
     host_store_bytes, block_store, block_store_fallback), ``spec`` (``SpeculationConfig``: speculation,
@@ -94,6 +94,10 @@ class EngineConfig:
         seed: the engine seed for requests without their own.
         max_logprobs: most top logprobs a request may ask for.
         token_buckets / request_buckets: the step shapes (None = derived).
+        block_buckets: the step's block-table widths (None = ``runner.buckets.block_buckets``: the
+            widest, ``max_blocks_per_request``, and narrower ones about 4x apart down to 512 tokens,
+            so a short batch's indexer scan does not cover ``max_model_len``); the last must be
+            ``max_blocks_per_request``.
         precompile: "lazy" (the default) or "all" (``PRECOMPILE_MODES``): whether ``LLM()`` compiles
             every step bucket and runs the start-up profiling (cost model, speculation step times)
             before returning, or leaves each bucket to its first use and takes the profiles from

@@ -61,7 +61,7 @@ def _sizes(name: str, value: Any) -> None:
 class SchedulerConfig:
     """Fields (``EngineConfig`` documents each): max_num_seqs, max_model_len, chunking,
     max_num_batched_tokens, step_budget_ns, profile_steps, cost_model_dir, async_scheduling,
-    structured_output_overlap, token_buckets, request_buckets."""
+    structured_output_overlap, token_buckets, request_buckets, block_buckets."""
 
     max_num_seqs: int = 8
     max_model_len: int | None = None
@@ -74,6 +74,7 @@ class SchedulerConfig:
     structured_output_overlap: bool = True
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
+    block_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "step_budget_ns"):
@@ -84,6 +85,7 @@ class SchedulerConfig:
         check_bools(self, ("async_scheduling", "structured_output_overlap", "profile_steps"))
         _sizes("token_buckets", self.token_buckets)
         _sizes("request_buckets", self.request_buckets)
+        _sizes("block_buckets", self.block_buckets)
         if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(f"token_buckets must reach max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.request_buckets and self.request_buckets[-1] < self.max_num_seqs:

@@ -7,6 +7,11 @@ Engram look-back that earlier steps left in the cache, writes the new ones, and 
 of the ``logit_rows`` tokens. Per token it computes exactly what ``forward_full`` computes at that
 position (same ops, same row shapes), so any chunking reproduces the full forward.
 
+Bounded reads: per token the step reads its window rows, the index keys of its request's block table
+(the indexer's linear scan, as wide as the step's block bucket) and its top-k main entries, gathered
+in storage format and decoded alone (``model.selected_entries``); nothing it computes is as large as
+the block pool (the cache writes aside).
+
 Bounded replay (engine.md §1.4): a request row may set ``window_floor`` (its tokens' windows see no
 position below it: attention truncated to the replayed segment) and ``global_write_from`` (its
 tokens below it write no block KV: the cached blocks are reused as they are, never overwritten).
@@ -48,6 +53,7 @@ from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
+from deepinfer_jax.model.selected_entries import compact_selection
 
 
 class StepInputs(NamedTuple):
@@ -90,7 +96,7 @@ class _Shared(NamedTuple):
     """Cross-layer CSA2 state within a step: the current KV source's entries and the selection."""
 
     source: int = -1
-    pool_PED: jax.Array | None = None  # main entries of the whole block pool [P, block_size // ratio, D] (decoded)
+    pool_kv: object = None  # main entries of the whole block pool [P, block_size // ratio, ...] (storage, not decoded)
     index_RED: jax.Array | None = None  # index keys of every request row [R, E, hd] (decoded)
     topk: jax.Array | None = None  # [N, k]
     candidates: jax.Array | None = None  # [N, E]
@@ -202,7 +208,7 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             jj = jnp.arange(e)
             where_e = (jnp.clip(tables[:, (jj * r) // bs], 0, n_blocks - 1),
                        jnp.broadcast_to(jnp.mod(jj * r, bs) // r, (tables.shape[0], e)))
-            shared = _Shared(source=layer, pool_PED=kc.decode(glob["kv"], "nvfp4", m.quantized),
+            shared = _Shared(source=layer, pool_kv=glob["kv"],
                              index_RED=kc.decode(kc.gather(glob["index"], where_e), "mxfp4", m.quantized),
                              candidates=shared.candidates)
         if attn.role in (LayerRole.FULL, LayerRole.REINDEX):
@@ -213,8 +219,10 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
             topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
             shared = shared._replace(topk=topk, candidates=candidates)
-        o = attend_step(q[0], keys, valid, attn.attn_sink[...], shared.pool_PED.astype(kv_new.dtype), tables,
-                        m.inp.token_req, shared.topk)
+        # only the selected entries are decoded, never the whole pool (``model.selected_entries``)
+        o = attend_step(q[0], keys, valid, attn.attn_sink[...],
+                        *compact_selection(shared.pool_kv, "nvfp4", m.quantized, tables, m.inp.token_req,
+                                           shared.topk, kv_new.dtype))
     else:
         o = attend_step(q[0], keys, valid, attn.attn_sink[...])
     return attn.output(o[None], angles), shared, cache

@@ -157,7 +157,8 @@ class ModelRunner:
         if decoder_replay and cfg.decoder_start >= cfg.num_hidden_layers - 1:
             raise ValueError("decoder_replay needs a model with decoder layers (a CED split)")
         self.decoder_replay = decoder_replay
-        self.bucket_use = BucketUse(self.buckets.tokens)  # the lazy engine sets .lazy (LLM(precompile="lazy"))
+        # the lazy engine sets .lazy (LLM(precompile="lazy"))
+        self.bucket_use = BucketUse(self.buckets.tokens, blocks=self.buckets.blocks)
         self.cache = init_cache(cfg, cache_cfg)
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._pleaves, self._ptree = jax.tree_util.tree_flatten(params)
@@ -264,13 +265,15 @@ class ModelRunner:
     def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
         """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``)."""
         n, r, b = self._validate(chunks)
-        return self._launch(chunks, self.bucket_use.choose(n, r, b), r, b)
+        n, b = self.bucket_use.choose(n, r, b)
+        return self._launch(chunks, n, r, b)
 
     def forward(self, chunks: Sequence[ChunkSpec]) -> Forward:
         """Validate and dispatch the model step alone; ``sample`` then dispatches its sampling. Between
         the two the device runs the step while the host computes token masks (structured output)."""
         n, r, b = self._validate(chunks)
-        return self._forward(chunks, self.bucket_use.choose(n, r, b), r, b)
+        n, b = self.bucket_use.choose(n, r, b)
+        return self._forward(chunks, n, r, b)
 
     def sample(self, fwd: Forward, mask: np.ndarray | None = None) -> PendingStep:
         """Dispatch the sampling of a ``forward`` step: ``mask`` [rows, mask_words] (i32, packed, rows =

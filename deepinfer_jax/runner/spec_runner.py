@@ -185,7 +185,7 @@ class SpecRunner(ModelRunner):
             b = Buckets.pick(self.buckets.blocks, max(len(c.block_table) for c in chunks), "block_table length")
         except ValueError as e:
             raise StepInputError(str(e)) from None
-        n = self.bucket_use.choose(n, r, b)
+        n, b = self.bucket_use.choose(n, r, b)
         fwd = self._dispatch(chunks, budget, draft, n, r, b)
         fwd.logprobs, fwd.tokens = logprobs, n
         return fwd
