@@ -21,7 +21,7 @@ from deepinfer_jax.config.engine import SECTIONS
 # every setting LLM() accepted before the split, in no particular order
 FLAT = {"max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_blocks_per_request", "kv_storage",
         "chunking", "max_num_batched_tokens", "step_budget_ns", "profile_steps", "cost_model_dir",
-        "async_scheduling", "structured_output_overlap", "seed", "max_logprobs", "token_buckets", "request_buckets",
+        "async_scheduling", "structured_output_overlap", "seed", "max_logprobs", "token_buckets", "request_buckets", "block_buckets",
         "enable_prefix_caching", "cache_salt", "swa_snapshot_entries", "encoder_replay", "replay_tokens",
         "decoder_replay", "yoco_keep_tokens", "host_store_bytes", "block_store", "block_store_fallback",
         "default_thinking_mode", "sharding", "speculation", "num_speculative_tokens", "draft_vocab_size",
