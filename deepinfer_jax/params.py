@@ -49,7 +49,9 @@ def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None, dt
 def to_device_weights(tree):
     """``tree`` with every host ``StoredTensor`` replaced by a validated device ``QWeight``."""
     if isinstance(tree, StoredTensor):
-        return validate(QWeight(jnp.asarray(tree.data), None if tree.scale is None else jnp.asarray(tree.scale),
+        # FP8 bytes travel as uint8: XLA:CPU would otherwise convert the whole f8 array to f16 ahead of any loop
+        data = tree.data.view(np.uint8) if tree.kind != "bf16" else tree.data
+        return validate(QWeight(jnp.asarray(data), None if tree.scale is None else jnp.asarray(tree.scale),
                                 tree.kind, tree.block, tree.shape))
     if isinstance(tree, Mapping):
         return {k: to_device_weights(v) for k, v in tree.items()}

@@ -3,7 +3,7 @@
 A ``QWeight`` is a pytree leaf-pair standing where a float weight matrix would: ``data`` holds the
 checkpoint's bytes as they are and ``scale`` its UE8M0 block exponents. Three kinds:
 
-- ``"fp8"``: ``float8_e4m3fn`` data ``[..., R, C]``, UE8M0 scale bytes ``[..., ceil(R/br), ceil(C/bc)]``
+- ``"fp8"``: E4M3 bytes ``[..., R, C]`` (``uint8`` on the device, see below; ``float8_e4m3fn`` accepted), UE8M0 scale bytes ``[..., ceil(R/br), ceil(C/bc)]``
   (dense 32x32 blocks, or row-wise ``(1, 32)`` for the Engram tables);
 - ``"fp4"``: packed E2M1 data ``uint8 [..., R, C/2]`` (low nibble = even column), UE8M0 scale bytes
   ``[..., R/br, C/bc]`` (routed experts: ``(1, 32)``);
@@ -13,8 +13,9 @@ Leading axes (the stacked experts ``[E, out, in]``) carry no blocks. ``W[r, c] =
 2**(scale[r // br, c // bc] - 127)``: every decoded value is exact in float32, so decoding here is
 bit-identical to the host decoder (``checkpoint.quant_formats``) and the float-resident path.
 
-The decoders use integer bit manipulation only (no FP8 arithmetic, which XLA:CPU would upcast by
-converting the *whole* weight to f16 ahead of any loop). ``dequantize`` decodes everything (tests,
+The decoders use integer bit manipulation only, on ``uint8`` bytes: an ``float8_e4m3fn`` array in the
+program, even only bitcast, makes XLA:CPU convert the *whole* weight to f16 ahead of any loop (seen in
+the optimized HLO), which is the full-size copy residency is meant to avoid. ``dequantize`` decodes everything (tests,
 fallbacks); the matmuls that decode tile by tile live in ``deepinfer_jax.ops.quantized_matmul``.
 
 A ``QWeight`` answers the small array protocol the model uses on weights: ``w[...]`` (an

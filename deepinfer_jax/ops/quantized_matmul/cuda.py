@@ -42,5 +42,6 @@ def quantized_matmul(x_MK: jax.Array, w_NK: QWeight, *, gemm=None) -> jax.Array:
         return reference.quantized_matmul(x_MK, w_NK)
     xq, xs = quantize_activations(x_MK, bc)
     call = gemm or _gemm()
-    y = call(xq, xs, w_NK.data, ue8m0_to_f32(w_NK.scale), out_dtype=jnp.float32, block_n=br, block_k=bc)
+    wq = w_NK.data if w_NK.data.dtype == jnp.float8_e4m3fn else jax.lax.bitcast_convert_type(w_NK.data, jnp.float8_e4m3fn)
+    y = call(xq, xs, wq, ue8m0_to_f32(w_NK.scale), out_dtype=jnp.float32, block_n=br, block_k=bc)
     return y.astype(x_MK.dtype)

@@ -1,18 +1,23 @@
 """The CPU formulation of the quantized matmuls: decode inside the matmul, one row tile at a time.
 
 ``quantized_matmul(x [M, K], w [N, K])`` walks the weight's rows in tiles of ``tile_rows(N, K)`` rows
-(a multiple of the row block, about ``TILE_BYTES`` of float32 once decoded). Each iteration of one XLA
+(a multiple of the row block and of ``ALIGN_ROWS``, about ``TILE_BYTES`` of float32 once decoded); a
+weight that fits one tile is decoded whole and multiplied once. Each iteration of one XLA
 while loop slices the tile's storage bytes and scale rows, decodes them to float32 and multiplies;
 the rows past the last full tile run once after the loop. The only float copy of the weight is one
 tile (``TILE_BYTES``), and each step reads the weight in its storage bytes. Each tile's product is
-the same ``einsum`` over the same decoded values as the float-resident path, so the results agree
-bit for bit on XLA:CPU (whose matrix-matrix kernels give an output element the same bits whatever the
-other dimension; ``tests/test_quantized_residency.py`` checks it).
+the same ``einsum`` over the same decoded values as the float-resident path. XLA:CPU's dot kernel
+(YNNPACK) gives an output column the same bits whatever the number of columns as long as the column
+splits fall on multiples of ``ALIGN_ROWS`` (measured: 64 yes, 8/16/32 no), so with a tail that is a
+multiple of 64 too the results agree bit for bit with the float-resident path; otherwise they agree to
+float32 reassociation (~1e-7 relative). ``tests/test_quantized_residency.py`` checks both.
 
 ``quantized_grouped_matmul`` is the plain definition (decode the stacked weight, ``ragged_dot``).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +26,14 @@ from deepinfer_jax.model.qweight import QWeight, decode, dequantize
 
 #: Float32 bytes of one decoded weight tile (a CPU L2-sized working set).
 TILE_BYTES = 1 << 20
+#: Tiles are a multiple of this many rows (the dot kernel's column tile on XLA:CPU, see above).
+ALIGN_ROWS = 64
 
 
 def tile_rows(n: int, k: int, row_block: int, tile_bytes: int = TILE_BYTES) -> int:
-    """Rows per tile: a multiple of ``row_block`` near ``tile_bytes / (4 K)``, at most ``n``."""
-    rows = max(row_block, (tile_bytes // max(4 * k, 1)) // row_block * row_block)
+    """Rows per tile: a multiple of ``row_block`` and ``ALIGN_ROWS`` near ``tile_bytes / (4 K)``, at most ``n``."""
+    step = math.lcm(row_block, ALIGN_ROWS)
+    rows = max(step, (tile_bytes // max(4 * k, 1)) // step * step)
     return min(rows, n)
 
 
