@@ -228,3 +228,43 @@ def test_quantized_with_sharding_is_refused_naming_weights():
     assert _resolve_weights(None, "float32", sharded=True) == "float32"
     assert _resolve_weights(None, "bfloat16", sharded=False) == "bfloat16"
     assert _resolve_weights(None, "float32", sharded=False) == "auto"
+
+
+# ---- the memory plan --------------------------------------------------------------------------------
+
+
+def _tree_bytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.mark.parametrize("weights", ["quantized", "float32"])
+def test_memory_plan_matches_the_small_models_resident_bytes(weights):
+    from deepinfer_jax.checkpoint import memory_plan as M
+    from deepinfer_jax.config import CacheConfig
+    from deepinfer_jax.model.kv_cache import init_cache
+
+    cfg, params = load_hf_checkpoint(DEFAULT_CHECKPOINT, progress=False, weights=weights)
+    storage = M.checkpoint_storage(DEFAULT_CHECKPOINT)
+    cache_cfg = CacheConfig(block_size=64, num_blocks=40, max_requests=4, max_blocks_per_request=10)
+    plan = M.plan_memory(cfg, M.Layout.from_preset("single"), weights=weights, kv_tokens=40 * 64, context=640,
+                         max_requests=4, block_size=64, storage=storage)
+    real_weights = resident_bytes(params)
+    assert abs(plan.weight_bytes - real_weights) <= 0.05 * real_weights, (plan.weights, real_weights)
+    real_cache = _tree_bytes(init_cache(cfg, cache_cfg))
+    assert abs(plan.cache_bytes - real_cache) <= 0.05 * real_cache, (plan.cache_bytes, real_cache)
+
+
+def test_memory_plan_v41_fits_every_design_preset_quantized_not_float32():
+    import json
+    from pathlib import Path
+
+    from deepinfer_jax.checkpoint import memory_plan as M
+
+    raw = json.loads((Path(__file__).parent / "fixtures" / "deepseek_v41_flash_config.json").read_text())
+    cfg = ModelConfig.from_hf_config(raw)
+    for name in M.DESIGN_PRESETS:
+        plan = M.plan_memory(cfg, M.Layout.from_preset(name), kv_tokens=65536)
+        assert plan.fits and plan.free > 0, M.format_plan(plan, cfg)
+    assert not M.plan_memory(cfg, M.Layout.from_preset(M.OFFLINE_8), weights="float32").fits
+    with pytest.raises(M.PlanError, match="sharding: no preset"):
+        M.Layout.from_preset("ep3")
