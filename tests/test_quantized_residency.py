@@ -100,7 +100,7 @@ def test_tiled_matmul_is_bit_identical_to_the_float_matmul(m, kind):
     x = jnp.asarray(RNG.standard_normal((m, 128)).astype(np.float32))
     want = jnp.einsum("ni,oi->no", x, jnp.asarray(full))
     for tile in (qref.TILE_BYTES, 128 * 128 * 4):  # one tile; three 128-row tiles and a 64-row tail
-        got = jax.jit(lambda x, w: qref.quantized_matmul(x, w, tile_bytes=tile))(x, w)
+        got = jax.jit(lambda x, w, t=tile: qref.quantized_matmul(x, w, tile_bytes=t))(x, w)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

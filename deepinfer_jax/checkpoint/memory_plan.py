@@ -97,6 +97,7 @@ class MemoryPlan:
     context: int = 0
     block_bytes: int = 0
     request_bytes: int = 0
+    block_tokens: int = 128
 
     @property
     def weight_bytes(self) -> int:
@@ -123,10 +124,8 @@ class MemoryPlan:
         after weights and activations."""
         context = context or self.context
         left = self.device_bytes - self.weight_bytes - self.activations
-        per = math.ceil(context / max(self._block_tokens, 1)) * self.block_bytes + self.request_bytes
+        per = math.ceil(context / max(self.block_tokens, 1)) * self.block_bytes + self.request_bytes
         return max(left, 0) // per if per else 0
-
-    _block_tokens: int = 128
 
 
 def _stored_bytes(kind: N.TensorKind, shape: tuple[int, ...], mode: str, name: str,
@@ -189,12 +188,12 @@ def plan_memory(cfg: ModelConfig, layout: Layout, *, weights: str = "quantized",
             if name in BF16_RESIDENT:
                 key = "embed + head"
         plan.weights[key] = plan.weights.get(key, 0) + b
-    plan.weights = {k: int(math.ceil(v)) for k, v in plan.weights.items()}
+    plan.weights = {k: math.ceil(v) for k, v in plan.weights.items()}
     cache = CacheConfig(block_size=block_size, num_blocks=max(1, math.ceil(kv_tokens / block_size)),
                         max_requests=max_requests, max_blocks_per_request=max(1, math.ceil(context / block_size)),
                         spec_slack=spec_slack, storage=kv_storage)
     cache.validate_for(cfg)
-    plan._block_tokens = block_size
+    plan.block_tokens = block_size
     plan.block_bytes = cache.global_bytes_per_block(cfg)
     plan.request_bytes = cache.bytes_per_request(cfg)
     plan.kv_blocks = cache.num_blocks * plan.block_bytes
@@ -230,9 +229,10 @@ def _gb(b: int) -> str:
 def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
     """The plan as a markdown table (GB = 10^9 bytes) with its headline numbers."""
     lay = plan.layout
-    lines = [f"memory plan: {lay.name} ({lay.devices} devices, dp {lay.dp_size}, ep {lay.ep_size}, "
+    title = (f"memory plan: {lay.name} ({lay.devices} devices, dp {lay.dp_size}, ep {lay.ep_size}, "
              f"{lay.redundant_slots} redundant expert slots per rank), weights={plan.weights_mode}, "
-             f"{plan.device_bytes / 1e9:.0f} GB per device", "", "| per device | GB |", "|---|---:|"]
+             f"{plan.device_bytes / 1e9:.0f} GB per device")
+    lines = [title, "", "| per device | GB |", "|---|---:|"]
     for key in sorted(plan.weights, key=lambda k: -plan.weights[k]):
         lines.append(f"| weights: {key} | {_gb(plan.weights[key])} |")
     lines.append(f"| **weights** | **{_gb(plan.weight_bytes)}** |")
@@ -247,5 +247,5 @@ def format_plan(plan: MemoryPlan, cfg: ModelConfig) -> str:
     lines.append("")
     lines.append(f"fits: {'yes' if plan.fits else 'NO'}; concurrent requests at {plan.context:,} tokens of context: "
                  f"{plan.requests_at_context():,}; KV tokens that fit beside the weights and activations: "
-                 f"{max(plan.device_bytes - plan.weight_bytes - plan.activations, 0) * plan._block_tokens // max(plan.block_bytes, 1):,}")
+                 f"{max(plan.device_bytes - plan.weight_bytes - plan.activations, 0) * plan.block_tokens // max(plan.block_bytes, 1):,}")
     return "\n".join(lines)

@@ -21,8 +21,8 @@ from deepinfer_jax.model import qweight
 from deepinfer_jax.model.layers import Linear, matmul_t
 from deepinfer_jax.ops import dispatch
 from deepinfer_jax.ops.grouped_matmul import grouped_matmul
-from deepinfer_jax.ops.quantized_matmul import quantized_grouped_matmul
 from deepinfer_jax.ops.grouped_matmul.reference import moe_experts
+from deepinfer_jax.ops.quantized_matmul import quantized_grouped_matmul
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -116,7 +116,7 @@ class MoE(nnx.Module):
         """The reference path: every expert on every token, unselected ones zero-weighted -> fp32 [N, d]."""
         combine = jnp.zeros((x.shape[0], w1.shape[0]), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)
-        n_tok, (e, inter, d) = x.shape[0], w1.shape
+        n_tok, (e, inter, _) = x.shape[0], w1.shape
         h = swiglu(matmul_t(x, _stack(w1)), matmul_t(x, _stack(w3)), self.limit)
         h = (h.reshape(n_tok, e, inter) * combine[..., None]).astype(x.dtype).reshape(n_tok, e * inter)
         return matmul_t(h, _concat_columns(w2)).astype(jnp.float32)

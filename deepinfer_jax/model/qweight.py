@@ -51,7 +51,7 @@ class QWeight:
     """A weight held in its storage format: ``data``, ``scale`` (or None), static ``kind``,
     ``block`` (rows, cols per scale entry), ``shape`` (decoded) and ``dtype`` (the decode target)."""
 
-    __slots__ = ("data", "scale", "kind", "block", "shape", "dtype")
+    __slots__ = ("block", "data", "dtype", "kind", "scale", "shape")
 
     def __init__(self, data, scale, kind: str, block: Sequence[int], shape: Sequence[int], dtype=jnp.float32):
         self.data, self.scale, self.kind = data, scale, kind
