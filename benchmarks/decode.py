@@ -1,6 +1,7 @@
 """Decode throughput of the paged step against recomputing ``forward_full`` every step.
 
     python benchmarks/decode.py [--configs tiny,small] [--batches 1,8,32] [--context 1024] [--steps 8]
+    python benchmarks/decode.py --weights [--batches 1,8,32]   # quantized- vs float32-resident weights
 
 For each config and batch size, ``batch`` requests are prefilled to ``context`` tokens through the
 paged cache, then decoded one token per request per step (teacher-forced ids); the baseline runs
@@ -144,10 +145,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--storage", default="quantized", choices=("quantized", "dequantized"))
     add_sweep_args(parser)
+    parser.add_argument("--weights", action="store_true",
+                        help="instead: quantized- vs float32-resident weights on the shipped checkpoint (decode_weights.py)")
     args = parser.parse_args()
     if args.contexts:
         return context_sweep_main(args)
     bw = memory_bandwidth()
+    if args.weights:  # a separate section: benchmarks/decode_weights.py
+        import decode_weights
+
+        print(f"machine: {os.cpu_count()} CPU cores, jax {jax.__version__}; large-copy memory bandwidth {bw / 1e9:.1f} GB/s")
+        decode_weights.compare([int(b) for b in args.batches.split(",")], args.context, args.steps, bw,
+                               cache_bytes_read, ROOT / "benchmarks" / "results")
+        return
     print(f"machine: {os.cpu_count()} CPU cores, jax {jax.__version__}; large-copy memory bandwidth "
           f"{bw / 1e9:.1f} GB/s; storage {args.storage}")
     rows = []

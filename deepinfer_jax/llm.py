@@ -15,6 +15,9 @@ DSpark drafter (``drafter.safetensors`` or ``mtp.*`` tensors), as the default ch
 engine then runs a ``runner.SpecRunner`` and plans each step's verification with the confidence-driven
 budget, whose step times it profiles once per token bucket at start-up.
 
+Weights stay resident in the checkpoint's FP8/FP4 formats by default (``weights="auto"``: quantized
+for a quantized checkpoint on one device; ``"float32"`` / ``"bfloat16"`` decode at load; docs/residency.md).
+
 ``LLM(..., sharding="cpu-dp2-ep4")`` (a preset name, a preset ``.toml`` path or a ``ShardingPreset``)
 runs over a device mesh: parameters placed by the sharding rules (routed experts over ``ep``), one
 KV cache and scheduler per attention DP rank (``engine.dp_core.DPEngineCore``,
@@ -60,8 +63,20 @@ PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
 _DEFAULT_MAX_MODEL_LEN = 2048
 
 
-def _load_model(model, dtype: str):
-    """(config, params, checkpoint dir or None)."""
+def _resolve_weights(weights, dtype: str, sharded: bool) -> str:
+    """The ``weights`` setting for a checkpoint load: None follows ``dtype`` (``"auto"`` unless bfloat16);
+    sharded engines run float-resident weights (``"auto"`` becomes ``dtype``, ``"quantized"`` is refused)."""
+    from deepinfer_jax.checkpoint.residency import WeightsError, check_weights
+
+    weights = check_weights(weights if weights is not None else ("auto" if dtype == "float32" else dtype))
+    if sharded and weights == "quantized":
+        raise WeightsError("quantized residency runs on one device; with sharding use weights='float32' or "
+                           "'bfloat16' (or 'auto', which is float there)")
+    return dtype if sharded and weights == "auto" else weights
+
+
+def _load_model(model, dtype: str, weights: str = "float32"):
+    """(config, params, checkpoint dir or None); ``weights`` resolved by ``_resolve_weights``."""
     if model is None:
         if not DEFAULT_CHECKPOINT.is_dir():
             raise FileNotFoundError(f"the shipped checkpoint is missing: {DEFAULT_CHECKPOINT}")
@@ -76,8 +91,18 @@ def _load_model(model, dtype: str):
         raise FileNotFoundError(f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory")
     from deepinfer_jax.checkpoint import load_hf_checkpoint
 
-    cfg, params = load_hf_checkpoint(path, dtype=dtype)
+    cfg, params = load_hf_checkpoint(path, dtype=dtype, weights=weights)
     return cfg, params, path
+
+
+def _weights_resident(params) -> str:
+    """``"quantized"`` when any parameter leaf is a ``QWeight``, else the float dtype of the head."""
+    from deepinfer_jax.model.qweight import QWeight
+
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QWeight))
+    if any(isinstance(leaf, QWeight) for leaf in leaves):
+        return "quantized"
+    return str(jax.tree_util.tree_leaves(params["head"])[0].dtype)
 
 
 def _token_buckets(ec: EngineConfig, k: int) -> tuple[int, ...]:
@@ -110,7 +135,8 @@ class LLM:
     """An offline engine over one model. See the module docstring."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, params=None, config: ModelConfig | None = None,
-                 drafter=None, dtype: str = "float32", use_tqdm: bool = True, **settings) -> None:
+                 drafter=None, dtype: str = "float32", weights: str | None = None, use_tqdm: bool = True,
+                 **settings) -> None:
         unknown = sorted(set(settings) - set(EngineConfig.fields()))
         if unknown:
             raise TypeError(f"unknown engine settings {unknown}; see EngineConfig for the fields")
@@ -132,10 +158,12 @@ class LLM:
                 raise ValueError("config: pass the ModelConfig together with params")
             cfg, ckpt = config, None
         else:
-            cfg, params, ckpt = _load_model(model, dtype)
+            weights = _resolve_weights(weights, dtype, ec.sharding is not None)
+            cfg, params, ckpt = _load_model(model, dtype, weights)
         if self.sharding_preset is not None:
             self.sharding_preset.validate_for(cfg)  # the routed experts divide over the EP ranks
         self.model_config, self.engine_config, self.params = cfg, ec, params
+        self.weights_resident = _weights_resident(params)
         self.checkpoint_dir = ckpt
         if drafter is None and ckpt is not None and ec.speculation != "none":
             from deepinfer_jax.checkpoint import load_hf_drafter
@@ -320,6 +348,7 @@ class LLM:
         root = Path(self.engine_config.cost_model_dir or Path.home() / ".cache" / "deepinfer_jax" / "cost_model")
         dev = jax.devices()[0]
         key = json.dumps([repr(self.model_config), repr(self.cache_config), repr(self.buckets), jax.__version__,
+                          self.weights_resident,
                           dev.platform, dev.device_kind, platform.machine(), platform.node(), os.cpu_count()]
                          + ([] if self.sharding_preset is None else [repr(self.sharding_preset)]))
         name = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.checkpoint.residency import StoredTensor
 from deepinfer_jax.engram_vocab import default_token_map
 from deepinfer_jax.model import deepseek_v41 as _model
+from deepinfer_jax.model.qweight import QWeight, validate
 
 
 def engram_token_map(cfg, token_map: np.ndarray | None = None) -> np.ndarray | None:
@@ -35,6 +38,34 @@ def init_params(cfg, seed: int = 0, token_map: np.ndarray | None = None):
 
 
 def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None, dtype=None):
-    """The parameter state from a nested dict laid out like the checkpoint names (experts stacked)."""
+    """The parameter state from a nested dict laid out like the checkpoint names (experts stacked).
+
+    ``StoredTensor`` leaves (``weights="quantized"``) become device ``QWeight`` leaves, resident in their
+    storage format."""
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return _model.params_from_tree(cfg, tree, token_map=engram_token_map(cfg, token_map), **kwargs)
+    return _model.params_from_tree(cfg, to_device_weights(tree), token_map=engram_token_map(cfg, token_map), **kwargs)
+
+
+def to_device_weights(tree):
+    """``tree`` with every host ``StoredTensor`` replaced by a validated device ``QWeight``."""
+    if isinstance(tree, StoredTensor):
+        # FP8 bytes travel as uint8: XLA:CPU would otherwise convert the whole f8 array to f16 ahead of any loop
+        data = tree.data.view(np.uint8) if tree.kind != "bf16" else tree.data
+        return validate(QWeight(jnp.asarray(data), None if tree.scale is None else jnp.asarray(tree.scale),
+                                tree.kind, tree.block, tree.shape))
+    if isinstance(tree, Mapping):
+        return {k: to_device_weights(v) for k, v in tree.items()}
+    return tree
+
+
+def resident_bytes(params) -> int:
+    """Bytes the parameter state holds (storage bytes for quantized leaves), Engram token map excluded."""
+    import jax
+
+    state = dict(params) if isinstance(params, Mapping) else params
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if "engram_token_map" in jax.tree_util.keystr(path):
+            continue
+        total += int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total

@@ -15,35 +15,51 @@ import numpy as np
 
 from deepinfer_jax.checkpoint.loader import (
     CheckpointError,
+    checkpoint_is_quantized,
     drafter_tensors_to_tree,
+    is_quantized_checkpoint,
     load_hf_checkpoint_tree,
     load_hf_drafter_tree,
     tensors_to_tree,
 )
+from deepinfer_jax.checkpoint.residency import WeightsError, resolve_weights
 
-__all__ = ["CheckpointError", "drafter_params_from_state_dict", "load_hf_checkpoint", "load_hf_drafter",
+__all__ = ["CheckpointError", "WeightsError", "drafter_params_from_state_dict", "load_hf_checkpoint", "load_hf_drafter",
            "load_params", "params_from_state_dict", "save_params"]
 
 
-def params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float32", token_map=None):
+def _residency(weights, dtype, quantized_checkpoint) -> tuple[bool, str]:
+    """(keep storage formats?, float dtype) for a ``weights`` setting (None: decode to ``dtype``)."""
+    if weights is None:
+        return False, dtype
+    mode = resolve_weights(weights, quantized_checkpoint)
+    return mode == "quantized", "float32" if mode == "quantized" else mode
+
+
+def params_from_state_dict(cfg, tensors: Mapping[str, np.ndarray], dtype="float32", token_map=None, weights=None):
     """The model's parameter state from DeepSeek-native tensors (FP8/FP4 decoded, experts stacked).
 
-    Missing, misshaped or unknown tensors raise one ``CheckpointError`` listing them all.
+    ``weights`` (``checkpoint.residency``): ``"quantized"`` keeps the storage formats resident,
+    ``"float32"`` / ``"bfloat16"`` decode, ``"auto"`` = quantized when the tensors have scales; None
+    decodes to ``dtype``. Missing, misshaped or unknown tensors raise one ``CheckpointError`` listing them all.
     """
     from deepinfer_jax.params import params_from_tree
 
-    return params_from_tree(cfg, tensors_to_tree(cfg, tensors, dtype=np.float32), token_map=token_map,
-                            dtype=_jnp_dtype(dtype))
+    quantized, dtype = _residency(weights, dtype, is_quantized_checkpoint(tensors))
+    tree = tensors_to_tree(cfg, tensors, dtype=np.float32, quantized=quantized)
+    return params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))
 
 
-def load_hf_checkpoint(path: str | Path, dtype="float32", progress: bool = True, token_map=None):
+def load_hf_checkpoint(path: str | Path, dtype="float32", progress: bool = True, token_map=None, weights=None):
     """``(ModelConfig, params)`` from a Hugging Face-format directory (config.json + safetensors).
 
-    Tensors are read lazily, one at a time, with a progress bar.
+    Tensors are read lazily, one at a time, with a progress bar. ``weights`` as in
+    :func:`params_from_state_dict` (``LLM`` passes ``"auto"``: quantized residency for FP8/FP4 checkpoints).
     """
     from deepinfer_jax.params import params_from_tree
 
-    cfg, tree = load_hf_checkpoint_tree(path, dtype=np.float32, progress=progress)
+    quantized, dtype = _residency(weights, dtype, weights is not None and checkpoint_is_quantized(path))
+    cfg, tree = load_hf_checkpoint_tree(path, dtype=np.float32, progress=progress, quantized=quantized)
     return cfg, params_from_tree(cfg, tree, token_map=token_map, dtype=_jnp_dtype(dtype))
 
 

@@ -2,11 +2,14 @@
 
     python -m deepinfer_jax.checkpoint convert HF_DIR OUT_DIR [--dtype float32|bfloat16]
     python -m deepinfer_jax.checkpoint inspect HF_DIR
+    python -m deepinfer_jax.checkpoint plan --config CONFIG.json --sharding PRESET [--kv-tokens N] ...
 
 ``convert`` reads tensors lazily one at a time (with a progress bar), decodes FP8/FP4, stacks
 experts and writes ``OUT_DIR/config.json`` + ``OUT_DIR/params`` (orbax). ``inspect`` prints the
 config summary and what the loader would do with every tensor; it exits 1 when the
-checkpoint does not match its config. Independent of the model code (tree functions only).
+checkpoint does not match its config. ``plan`` prints the per-device memory plan of a config under a
+sharding preset (``checkpoint.memory_plan``; ``--sharding design`` prints every design preset), from
+shapes alone. Independent of the model code (tree functions only).
 """
 
 from __future__ import annotations
@@ -92,8 +95,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     insp = sub.add_parser("inspect", help="print the config summary and tensor counts")
     insp.add_argument("hf_dir", help="directory with config.json and *.safetensors")
     insp.set_defaults(func=_inspect)
+    plan = sub.add_parser("plan", help="per-device memory plan of a config under a sharding preset")
+    plan.add_argument("--config", required=True, help="config.json (HF) or a checkpoint directory")
+    plan.add_argument("--sharding", required=True,
+                      help="a preset name or .toml, 'offline-8' (one 8-GPU machine), or 'design' (all design presets)")
+    plan.add_argument("--kv-tokens", type=int, default=65536, help="KV tokens per device (default 65,536)")
+    plan.add_argument("--context", type=int, default=65536, help="context per request for the concurrency count")
+    plan.add_argument("--max-requests", type=int, default=64, help="request slots per device (SWA rings)")
+    plan.add_argument("--bucket-tokens", type=int, default=8192, help="tokens of the largest step bucket")
+    plan.add_argument("--weights", choices=("quantized", "float32", "bfloat16"), default="quantized")
+    plan.add_argument("--engram", choices=("sharded", "replicated"), default="sharded",
+                      help="Engram tables split over the instance's devices (default) or replicated")
+    plan.add_argument("--device-gb", type=float, default=141.0, help="device memory in GB (10^9 bytes)")
+    plan.add_argument("--checkpoint", help="read stored dtypes from this checkpoint's headers (no data)")
+    plan.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from deepinfer_jax.checkpoint import memory_plan as M
+    from deepinfer_jax.config import ModelConfig
+
+    src = Path(args.config)
+    try:
+        cfg = read_hf_config(src) if src.is_dir() else ModelConfig.from_hf_config(json.loads(src.read_text()))
+        storage = M.checkpoint_storage(args.checkpoint) if args.checkpoint else None
+        presets = M.DESIGN_PRESETS if args.sharding == "design" else (args.sharding,)
+        for i, name in enumerate(presets):
+            p = M.plan_memory(cfg, M.Layout.from_preset(name), weights=args.weights, kv_tokens=args.kv_tokens,
+                              context=args.context, max_requests=args.max_requests, bucket_tokens=args.bucket_tokens,
+                              device_bytes=int(args.device_gb * 1e9), engram=args.engram, storage=storage)
+            print(("\n" if i else "") + M.format_plan(p, cfg))
+    except (OSError, ValueError) as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

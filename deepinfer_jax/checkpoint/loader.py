@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from deepinfer_jax.checkpoint import names as N
 from deepinfer_jax.checkpoint import quant_formats as Q
+from deepinfer_jax.checkpoint.residency import BF16_RESIDENT, StoredTensor, WeightsError
 from deepinfer_jax.checkpoint.safetensors_io import open_checkpoint
 from deepinfer_jax.config import ModelConfig
 
@@ -218,6 +219,7 @@ def tensors_to_tree(
     progress: bool = False,
     source: str | None = None,
     drafter: bool = False,
+    quantized: bool = False,
 ) -> Tree:
     """Decode checkpoint ``tensors`` into the backbone parameter tree (``drafter``: the ``mtp.*`` tree).
 
@@ -225,8 +227,13 @@ def tensors_to_tree(
     router biases (:attr:`TensorKind.FP32`), which stay float32. Every leaf is a fresh array
     (no view into ``tensors``). Raises :class:`CheckpointError` (all problems at once) before
     any data is decoded when the names, shapes or scale pairs do not match ``cfg``.
+
+    ``quantized`` (``weights="quantized"``, ``checkpoint.residency``): every tensor with a UE8M0 scale
+    partner stays in its storage format as a :class:`~deepinfer_jax.checkpoint.residency.StoredTensor`
+    (routed experts stacked to ``[E, out, in]`` storage), and BF16 ``embed``/``head`` stay BF16; the
+    other leaves are float32.
     """
-    out_dtype = resolve_dtype(dtype)
+    out_dtype = np.dtype(np.float32) if quantized else resolve_dtype(dtype)
     plan = plan_checkpoint(cfg, tensors, drafter=drafter)
     if not plan.ok:
         raise plan.error(source)
@@ -236,7 +243,10 @@ def tensors_to_tree(
     for name, partner in tqdm(items, desc="loading tensors", unit="tensor", disable=not progress):
         shape, kind = plan.expected[name]
         leaf_dtype = np.dtype(np.float32) if kind is N.TensorKind.FP32 else out_dtype
-        if partner is None:
+        value = stored_tensor(name, tensors, partner, shape) if quantized else None
+        if value is not None:
+            pass
+        elif partner is None:
             value = np.array(tensors[name], dtype=leaf_dtype, copy=True)
         else:
             value = Q.decode_weight(tensors[name], tensors[partner], dtype=leaf_dtype, field=name)
@@ -246,10 +256,44 @@ def tensors_to_tree(
             continue
         stacked = _get(tree, path)
         if stacked is None:
-            stacked = np.zeros((E,) + shape, dtype=leaf_dtype)
+            stacked = _empty_stack(value, E, shape, leaf_dtype)
             _set(tree, path, stacked)
-        stacked[expert] = value
+        if isinstance(stacked, StoredTensor) != isinstance(value, StoredTensor):
+            raise WeightsError(f"{name}: the experts of one projection mix quantized and plain storage; "
+                               f"load this checkpoint with weights='float32'")
+        if isinstance(stacked, StoredTensor):
+            stacked.data[expert], stacked.scale[expert] = value.data, value.scale
+        else:
+            stacked[expert] = value
     return tree
+
+
+def _empty_stack(value, n: int, shape: tuple[int, ...], dtype) -> Any:
+    if not isinstance(value, StoredTensor):
+        return np.zeros((n,) + shape, dtype=dtype)
+    return StoredTensor(np.zeros((n,) + value.data.shape, value.data.dtype),
+                        np.zeros((n,) + value.scale.shape, np.uint8), value.kind, value.block, (n,) + shape)
+
+
+def stored_tensor(name: str, tensors: Mapping[str, np.ndarray], partner: str | None,
+                  shape: tuple[int, ...]) -> StoredTensor | None:
+    """``name`` as a :class:`StoredTensor` for quantized residency, or ``None`` when it is decoded to float
+    (no scale partner and not a BF16 embed/head; a floating scale, which has no UE8M0 bytes)."""
+    if partner is None:
+        if name in BF16_RESIDENT and np.dtype(tensors[name].dtype) == np.dtype(ml_dtypes.bfloat16):
+            return StoredTensor(np.array(tensors[name], copy=True), None, "bf16", (1, 1), shape)
+        return None
+    scale = np.asarray(tensors[partner])
+    if scale.dtype == Q.E8M0:
+        scale = scale.view(np.uint8)
+    elif scale.dtype != np.uint8:
+        return None
+    data = np.array(tensors[name], copy=True)
+    kind = "fp8" if data.dtype == Q.E4M3 else "fp4"
+    if kind == "fp4":
+        data = data.view(np.uint8)
+    block = Q.infer_block(shape, scale.shape, field=name)
+    return StoredTensor(data, np.array(scale, copy=True), kind, block, tuple(shape))
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
@@ -278,18 +322,30 @@ def _check_weights_present(path: str | os.PathLike) -> None:
 
 
 def load_hf_checkpoint_tree(
-    path: str | os.PathLike, dtype=np.float32, progress: bool = True
+    path: str | os.PathLike, dtype=np.float32, progress: bool = True, quantized: bool = False
 ) -> tuple[ModelConfig, Tree]:
     """Read ``config.json`` and the safetensors of a Hugging Face checkpoint directory.
 
     Tensors are memory-mapped and decoded one at a time (peak host memory ~ the tree plus
-    one decoded tensor); ``progress`` shows a tqdm bar over tensors.
+    one decoded tensor); ``progress`` shows a tqdm bar over tensors. ``quantized``: keep the
+    storage formats (see :func:`tensors_to_tree`).
     """
     cfg = read_hf_config(path)
     _check_weights_present(path)
     with open_checkpoint(path) as reader:
-        tree = tensors_to_tree(cfg, reader, dtype, progress=progress, source=str(path))
+        tree = tensors_to_tree(cfg, reader, dtype, progress=progress, source=str(path), quantized=quantized)
     return cfg, tree
+
+
+def is_quantized_checkpoint(tensors: Mapping[str, np.ndarray]) -> bool:
+    """True when any tensor has a ``.scale`` partner (the checkpoint stores FP8/FP4 weights)."""
+    return any(name.endswith(N.SCALE_SUFFIX) for name in tensors)
+
+
+def checkpoint_is_quantized(path: str | os.PathLike) -> bool:
+    """:func:`is_quantized_checkpoint` of a checkpoint directory (headers only)."""
+    with open_checkpoint(path) as reader:
+        return is_quantized_checkpoint(reader)
 
 
 DRAFTER_FILE = "drafter.safetensors"

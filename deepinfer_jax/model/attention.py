@@ -18,6 +18,7 @@ from deepinfer_jax.config import LayerRole
 from deepinfer_jax.model.compressor import Compressor
 from deepinfer_jax.model.indexer import Indexer
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
+from deepinfer_jax.model.qweight import split_rows
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_nvfp4
 from deepinfer_jax.model.rope import apply_rope, rope_angles, rope_frequencies
 from deepinfer_jax.ops import dispatch
@@ -96,7 +97,7 @@ class Attention(nnx.Module):
         """Inverse RoPE on o, then grouped O-LoRA: [B, T, H, D] -> [B, T, d]."""
         b, t = o_BTHD.shape[:2]
         o = apply_rope(o_BTHD, angles, inverse=True).reshape(b, t, self.groups, -1)
-        wa = self.wo_a.weight[...].reshape(self.groups, -1, o.shape[-1])
+        wa = split_rows(self.wo_a.weight[...], self.groups)  # [rows, H*D/G] each; a QWeight stays quantized
         # one 2-D matmul per group (a batched-over-groups einsum rounds differently per batch shape)
         u = jnp.concatenate([matmul_t(o[:, :, g], wa[g]) for g in range(self.groups)], axis=-1)
         return self.wo_b(u)

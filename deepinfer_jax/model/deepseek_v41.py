@@ -24,6 +24,7 @@ from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
+from deepinfer_jax.model.qweight import QWeight
 
 
 class Buffer(nnx.Variable):
@@ -190,6 +191,8 @@ def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None,
 
     def convert(path, leaf):
         arr = flat_given[path]
+        if isinstance(arr, QWeight):  # resident in its storage format (decoded inside the matmuls)
+            return arr
         if np.issubdtype(np.asarray(arr).dtype, np.integer):
             return jnp.asarray(arr)
         is_fp32 = path.split(".")[-1] in _FP32_LEAVES or path.endswith("attn_sink")

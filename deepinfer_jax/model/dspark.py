@@ -35,7 +35,7 @@ from deepinfer_jax.model.abstract_cache import abstract_model
 from deepinfer_jax.model.attention import Attention, attend
 from deepinfer_jax.model.deepseek_v41 import HcSites, _flatten, _unflatten, check_tree
 from deepinfer_jax.model.engram import Table
-from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
+from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t, take_rows
 from deepinfer_jax.model.moe import MoE
 
 __all__ = ["DSparkDrafter", "DraftHeads", "DraftOutput", "abstract_drafter_params", "check_drafter_config",
@@ -185,7 +185,7 @@ def drafter_states(drafter: nnx.State, embed_Vd: jax.Array, cfg, ctx_BSF: jax.Ar
     stages = list(model.mtp)
     b, a, k = block_ids_BAK.shape
     n, d = cfg.hc_mult, cfg.hidden_size
-    x = jnp.take(embed_Vd, block_ids_BAK.reshape(b, a * k), axis=0)
+    x = take_rows(embed_Vd, block_ids_BAK.reshape(b, a * k))
     streams = jnp.broadcast_to(x[:, :, None, :], (b, a * k, n, d))
     pre = jnp.zeros((b, a * k, n), jnp.float32).at[..., 0].set(1.0)
     pos = (anchor_pos_BA[..., None] + jnp.arange(k)).reshape(b, a * k)
@@ -280,7 +280,7 @@ def draft_heads(drafter: nnx.State, target: nnx.State, cfg, ids=None) -> DraftHe
     """``DraftHeads`` for the token ids ``ids`` (None = the whole vocabulary)."""
     ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
     mk = nnx.merge(_graphdef(cfg), drafter).mtp[cfg.num_nextn_predict_layers - 1].markov_head
-    return DraftHeads(ids, jnp.take(target["head"]["weight"][...], ids, axis=0).astype(jnp.float32),
+    return DraftHeads(ids, take_rows(target["head"]["weight"][...], ids).astype(jnp.float32),
                       jnp.take(mk.head.weight[...], ids, axis=0).astype(jnp.float32))
 
 

@@ -11,17 +11,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from deepinfer_jax.model.layers import Linear, row_mean, row_sum
+from deepinfer_jax.model.layers import Linear, row_mean, row_sum, take_rows
 
 
 class Table(nnx.Module):
-    """An embedding table ``weight`` [rows, dim]."""
+    """An embedding table ``weight`` [rows, dim] (float, or a ``QWeight``: only looked-up rows are decoded)."""
 
     def __init__(self, rows: int, dim: int, *, rngs: nnx.Rngs, std: float):
         self.weight = nnx.Param(jax.random.normal(rngs.params(), (rows, dim)) * std)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        return take_rows(self.weight[...], ids)
 
 
 class Engram(nnx.Module):

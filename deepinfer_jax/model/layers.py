@@ -1,10 +1,17 @@
-"""Small building blocks shared by the V4.1 modules: Linear (torch layout) and RMSNorm."""
+"""Small building blocks shared by the V4.1 modules: Linear (torch layout) and RMSNorm.
+
+A weight may be a float array or a ``qweight.QWeight`` (resident in its checkpoint format):
+``matmul_t`` then decodes it inside the matmul (``ops.quantized_matmul``) and ``take_rows`` decodes
+only the rows it gathers.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from deepinfer_jax.model.qweight import QWeight, take_rows  # noqa: F401 -- take_rows re-exported for the model
 
 
 def row_sum(x: jax.Array) -> jax.Array:
@@ -33,14 +40,20 @@ def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     XLA:CPU's matrix-matrix kernels give each row the same bits whatever the number of rows, but
     its matrix-vector path (one row) rounds differently. With fake-quant boundaries downstream, a
     one-ulp difference can flip a bin, so a single row is padded to two: the paged step and the
-    full forward then compute identical values for the same token.
+    full forward then compute identical values for the same token. A ``QWeight`` ``w`` is decoded
+    tile by tile inside the matmul (the values, hence the results, equal the float-resident path's).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     single = x2.shape[0] == 1
     if single:
         x2 = jnp.concatenate([x2, jnp.zeros_like(x2)], axis=0)
-    y = jnp.einsum("ni,oi->no", x2, w.astype(x.dtype))
+    if isinstance(w, QWeight):
+        from deepinfer_jax.ops.quantized_matmul import quantized_matmul
+
+        y = quantized_matmul(x2, w.astype(x.dtype))
+    else:
+        y = jnp.einsum("ni,oi->no", x2, w.astype(x.dtype))
     return (y[:1] if single else y).reshape(*lead, w.shape[0])
 
 

@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.model import qweight
 from deepinfer_jax.model.layers import Linear, matmul_t
 from deepinfer_jax.ops import dispatch
 from deepinfer_jax.ops.grouped_matmul import grouped_matmul
 from deepinfer_jax.ops.grouped_matmul.reference import moe_experts
+from deepinfer_jax.ops.quantized_matmul import quantized_grouped_matmul
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -93,6 +95,9 @@ class MoE(nnx.Module):
         from deepinfer_jax.parallel import ep_model  # lazy: parallel.ep_moe imports route/swiglu from here
 
         if ep_model.current() is not None:  # routed experts over the mesh's ep axis (shard_map)
+            if qweight.is_quantized(self.experts.w1[...]):
+                raise qweight.QWeightError("expert parallelism runs float-resident experts; load with "
+                                           "weights='float32' or 'bfloat16'", "weights")
             y = ep_model.routed_experts(self, x) + self.shared_experts(x).astype(jnp.float32)
             return y.astype(x_BTd.dtype).reshape(shape)
         logits = matmul_t(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
@@ -102,7 +107,8 @@ class MoE(nnx.Module):
             y = self._dense_experts(x, w, ids, w1, w3, w2)
         else:  # expert-sorted rows through the selected grouped-matmul kernel (ops/grouped_matmul)
             act = functools.partial(swiglu, limit=self.limit)
-            y = moe_experts(x, w1, w3, w2, ids, w, act, gmm=grouped_matmul)
+            gmm = quantized_grouped_matmul if qweight.is_quantized(w1) else grouped_matmul
+            y = moe_experts(x, w1, w3, w2, ids, w, act, gmm=gmm)
         y = y + self.shared_experts(x).astype(jnp.float32)
         return y.astype(x_BTd.dtype).reshape(shape)
 
@@ -110,7 +116,23 @@ class MoE(nnx.Module):
         """The reference path: every expert on every token, unselected ones zero-weighted -> fp32 [N, d]."""
         combine = jnp.zeros((x.shape[0], w1.shape[0]), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(w)
-        n_tok, (e, inter, d) = x.shape[0], w1.shape
-        h = swiglu(matmul_t(x, w1.reshape(e * inter, d)), matmul_t(x, w3.reshape(e * inter, d)), self.limit)
+        n_tok, (e, inter, _) = x.shape[0], w1.shape
+        h = swiglu(matmul_t(x, _stack(w1)), matmul_t(x, _stack(w3)), self.limit)
         h = (h.reshape(n_tok, e, inter) * combine[..., None]).astype(x.dtype).reshape(n_tok, e * inter)
-        return matmul_t(h, jnp.transpose(w2, (1, 0, 2)).reshape(d, e * inter)).astype(jnp.float32)
+        return matmul_t(h, _concat_columns(w2)).astype(jnp.float32)
+
+
+def _stack(w):
+    """[E, inter, d] -> [E * inter, d] (every expert's rows as one matrix; a QWeight stays quantized)."""
+    if qweight.is_quantized(w):
+        return qweight.merge_leading(w)
+    e, inter, d = w.shape
+    return w.reshape(e * inter, d)
+
+
+def _concat_columns(w):
+    """[E, d, inter] -> [d, E * inter] (every expert's w2 side by side)."""
+    if qweight.is_quantized(w):
+        return qweight.concat_experts_on_columns(w)
+    e, d, inter = w.shape
+    return jnp.transpose(w, (1, 0, 2)).reshape(d, e * inter)

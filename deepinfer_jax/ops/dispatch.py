@@ -90,6 +90,10 @@ TABLE: dict[str, dict[str, object]] = {
     "mhc_expand": _both("mhc", "mhc_expand"),
     "fp8_block_gemm": {"cpu": _Lazy("deepinfer_jax.ops.ffi", "fp8_block_gemm_reference"),
                        "cuda_ffi": _Lazy("deepinfer_jax.ops.ffi", "fp8_block_gemm")},
+    # weights resident in their storage formats (model.qweight.QWeight), decoded inside the matmul
+    "quantized_matmul": {"cpu": _ref("quantized_matmul", "quantized_matmul"),
+                         "cuda_ffi": _Lazy("deepinfer_jax.ops.quantized_matmul.cuda", "quantized_matmul")},
+    "quantized_grouped_matmul": _both("quantized_matmul", "quantized_grouped_matmul"),
 }
 
 #: The ``use_kernels`` selection: a JAX user context (``jax.make_user_context``, public API), so it is part of
