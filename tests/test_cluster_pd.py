@@ -17,8 +17,8 @@ from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.cluster.handoff import Handoff, HandoffError, decode_handoff, encode_handoff
 from deepinfer_jax.cluster.roles import DecodeInstance, PrefillInstance
 
-KW = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=128, chunking="tokens",
-          speculation="none")
+KW = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 16, "max_model_len": 128, "chunking": "tokens",
+          "speculation": "none"}
 # several prompts: shorter than a block, exactly one block, longer with a partial last block, four blocks
 LENGTHS = (5, 16, 37, 50, 64)
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -94,11 +94,11 @@ def test_corrupted_handoff_is_a_typed_error_naming_the_field(damage, field):
 
 
 @pytest.mark.parametrize("change, check, field", [
-    (dict(version=2), {}, "version"),
-    ({}, dict(model="ef" * 32), "model"),
-    ({}, dict(block_size=16), "block_size"),
-    (dict(digests=[]), {}, "digests"),
-    (dict(tail=None), {}, "tail"),
+    ({"version": 2}, {}, "version"),
+    ({}, {"model": "ef" * 32}, "model"),
+    ({}, {"block_size": 16}, "block_size"),
+    ({"digests": []}, {}, "digests"),
+    ({"tail": None}, {}, "tail"),
 ])
 def test_mismatched_handoff_names_the_field(change, check, field):
     with pytest.raises(HandoffError) as e:

@@ -28,11 +28,13 @@ Outputs are recorded once per request id (a late duplicate is dropped and counte
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
 from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, request_quota
@@ -42,9 +44,20 @@ from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_router import RankLoad
 from deepinfer_jax.engine.outputs import RequestMetrics
 
-__all__ = ["Cluster", "ClusterStats"]
+__all__ = ["Cluster", "ClusterStats", "ray_init_options"]
 
+log = logging.getLogger(__name__)
 _ENV_PASSED = ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS", "XLA_FLAGS", "DEEPINFER_PROGRAM_STORE")
+
+
+def ray_init_options(**overrides) -> dict:
+    """``ray.init`` keywords for a local run: 2 CPUs, no dashboard, and workers that import this
+    checkout (``PYTHONPATH``) with the driver's JAX settings."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": env},
+            **overrides}
 
 
 @dataclass
@@ -114,11 +127,7 @@ class Cluster:
         self._ray = ray
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
-            root = str(Path(__file__).resolve().parents[2])
-            env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-            ray.init(**{"num_cpus": 2, "include_dashboard": False, "log_to_driver": False,
-                        "runtime_env": {"env_vars": env}, **(ray_init or {})})
+            ray.init(**ray_init_options(**(ray_init or {})))
         self._tmp = None
         if block_store is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-store-")
@@ -396,15 +405,15 @@ class Cluster:
         for inst in self._live():
             try:
                 self._ray.kill(inst.actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+            except (ValueError, self._ray.exceptions.RayError) as e:  # already gone
+                log.debug("cluster: %s %d already stopped: %s", inst.role, inst.index, e)
             inst.alive = False
         if self._own_ray:
             self._ray.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

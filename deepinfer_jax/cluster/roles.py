@@ -95,7 +95,7 @@ class _Role:
         for d, payload in zip(digests, payloads[:full]):
             try:
                 self.prefix.files.put(d, payload)
-            except Exception as e:  # a failed write: the receiver finds the block missing and recomputes
+            except OSError as e:  # a failed write: the receiver finds the block missing and recomputes
                 log.warning("handoff: writing block %s to the store failed: %s", d.hex()[:16], e)
                 written = False
         return Handoff(r.request_id, list(r.prompt_ids), list(output_ids), self.block_size, self.model,
@@ -192,7 +192,7 @@ class DecodeInstance(_Role):
         """Admit a handoff for ``request_id`` (the router's own copy of its prompt and parameters);
         ``data=None``: no state anywhere, recompute the prompt and ``output_ids`` (if any) here.
         Returns how: ``"exact"``, or ``"recompute:<reason>"``."""
-        kw = dict(prompt=prompt, request_id=request_id, num_cached_tokens=num_cached_tokens)
+        kw = {"prompt": prompt, "request_id": request_id, "num_cached_tokens": num_cached_tokens}
         if data is None:
             return self._recompute("no_state", prompt_ids, params, output_ids, **kw)
         try:
