@@ -10,7 +10,7 @@ NEMO := nemo-automodel==0.7.0
 # pytest-xdist processes for `make test`; each test file runs whole in one of them (module fixtures compile once).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test bench checkpoint train clean kernels
+.PHONY: demo test bench checkpoint train clean kernels cluster-demo
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ $(VENV)/.test: $(VENV)/.runtime
 
 demo: $(VENV)/.runtime
 	$(PY) examples/offline_inference.py
+
+cluster-demo: $(VENV)/.test
+	$(PY) examples/cluster_demo.py
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -31,6 +31,7 @@ not compile); nothing invalid reaches the scheduler, so a bad request never dist
 from __future__ import annotations
 
 
+import dataclasses
 import itertools
 import operator
 import time
@@ -42,7 +43,7 @@ from tokenizers import Tokenizer
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
-from deepinfer_jax.engine.request import Request
+from deepinfer_jax.engine.request import AdmitState, Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_jax.engine.spec_decode import SpecDecoding
@@ -108,6 +109,9 @@ class EngineCore:
         self._io = ThreadPoolExecutor(1, "block-store") if prefix is not None and prefix.files else None
         self._io_futures: list[Future] = []
         self._late_writeback: list = []  # (digests, device rows) read when a request ended, written back later
+        #: called with each launched step right behind its model step (``cluster.roles``: a prefill
+        #: instance dispatches copies of the state a finished prompt leaves); None = nothing
+        self.on_launch = None
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -163,6 +167,38 @@ class EngineCore:
         if self._io is not None and prefix is not None and prefix.files is not None:
             # start reading its blocks from the store while earlier work runs
             self._io_futures.append(self._io.submit(prefix.prefetch, list(prefix.digests(req))))
+        return req.request_id
+
+    def add_continuation(self, prompt_ids, output_ids, params: SamplingParams, *, prompt: str | None = None,
+                         request_id: str | None = None, admit: AdmitState | None = None,
+                         logprobs: list[TokenLogprobs] | None = None, prompt_logprobs=None,
+                         num_cached_tokens: int = 0, arrival: float | None = None) -> str:
+        """A request that already has ``output_ids`` (engine roles, ``cluster.roles``): the first token a
+        prefill instance sampled, or the tokens a draining decode instance forwarded. With ``admit``
+        (its KV and slot state up to ``admit.length = len(prompt) + len(output) - 1``) it is admitted
+        there and computes nothing before; without, it recomputes its tokens (the prefix cache may
+        hit). ``logprobs`` / ``prompt_logprobs``: what the earlier engine reported for them."""
+        if not output_ids:
+            raise RequestError("output_ids", "a continuation needs at least one generated token")
+        if admit is not None and admit.length != len(prompt_ids) + len(output_ids) - 1:
+            raise RequestError("admit", f"state of {admit.length} tokens for {len(prompt_ids)} prompt + "
+                                        f"{len(output_ids)} generated")
+        base = dataclasses.replace(params, prompt_logprobs=None)  # scored where the prompt ran
+        ids = self.validate(prompt_ids, base, request_id)
+        req = self._new_request(ids, base, prompt, request_id, arrival)
+        req.params = params
+        for t in output_ids:
+            t = operator.index(t)
+            if not 0 <= t < self.vocab_size:
+                raise RequestError("output_ids", f"ids must lie in [0, {self.vocab_size}), got {t}")
+            req.output_ids.append(t)
+            req.detok.push(t)
+            if req.matcher is not None:
+                req.matcher.consume(t)
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs = list(logprobs)
+        req.prompt_logprobs, req.num_cached_tokens, req.admit_state = prompt_logprobs, num_cached_tokens, admit
+        self.scheduler.add(req)
         return req.request_id
 
     def _new_request(self, ids: list[int], params: SamplingParams, prompt: str | None, request_id: str | None,
@@ -234,6 +270,9 @@ class EngineCore:
                     ids, payloads = zip(*c.request.uploads)
                     self.runner.write_blocks(list(ids), list(payloads))
                     c.request.uploads = None
+                if c.request.slot_state is not None:  # engine roles: the whole slot from another engine
+                    self.runner.restore_slot(c.request.slot, c.request.slot_state)
+                    c.request.slot_state = None
                 if c.request.restore is not None:
                     pos, snap = c.request.restore
                     self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos), pos)
@@ -260,6 +299,8 @@ class EngineCore:
             launched = _InFlight(plan, None, time.perf_counter(), spec=planned, started=t0)
             if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
                 prev.compiled = True
+            if self.on_launch is not None:  # engine roles: the prefill instance copies final states here
+                self.on_launch(launched)
             prefix = self.scheduler.prefix
             if prefix is not None:  # window copies and block reads right behind the model step
                 self._take_snapshots(launched)

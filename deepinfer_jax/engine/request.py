@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from deepinfer_jax.cache import RequestBlocks
 from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from deepinfer_jax.engine.sampling_params import SamplingParams
 
-__all__ = ["Request", "Status"]
+__all__ = ["AdmitState", "Request", "Status"]
+
+
+@dataclass
+class AdmitState:
+    """A request's cache state computed elsewhere (engine roles, ``cluster.roles``): the KV of its
+    first ``length`` tokens as block payloads (``ceil(length / block_size)`` of them, the last one
+    possibly partial) and its slot's state there (``ModelRunner.snapshot_slot``). The scheduler
+    admits it with these uploaded and restored, and computes nothing before ``length``."""
+
+    length: int
+    payloads: list
+    slot_state: dict
 
 
 class Status(enum.Enum):
@@ -61,6 +74,8 @@ class Request:
         self.swa_copy = None  # (position, device arrays): the latest decode boundary's window
         self.restore = None  # (position, snapshot) to put into the slot before the next step
         self.uploads = None  # [(device block, payload)] from the lower tiers, written before the next step
+        self.admit_state: AdmitState | None = None  # computed elsewhere: admitted at its length, nothing recomputed
+        self.slot_state = None  # an AdmitState's slot state, restored into the slot before the next step
         self.approximate = False  # hit through bounded replay: nothing it computes is cached
         self.window_floor = 0  # bounded replay: windows see no position below this
         self.write_from = 0  # bounded replay: block KV below this is reused, never rewritten

@@ -214,11 +214,13 @@ class Scheduler:
                 self.prefix.record_admitted()
             if uploads:  # blocks from the host / file tiers: fresh device blocks, filled before the step
                 ids = blocks.block_ids[len(cached) : len(cached) + len(uploads)]
-                digests = self.prefix.digests(r)
-                for b, d in zip(ids, digests[len(cached) :]):
+                digests = self.prefix.digests(r) if self.prefix is not None else []
+                for b, d in zip(ids, digests[len(cached) : hit // self.block_size]):
                     self.pool.register(b, d)
                 r.uploads = list(zip(ids, uploads))
-            if hit:
+            if r.admit_state is not None:  # state computed elsewhere: restored whole, no window lookup
+                r.slot_state = r.admit_state.slot_state
+            elif hit:
                 r.restore = (r.num_computed, None if r.approximate else self.prefix.snapshot_for(r, hit))
                 r.num_cached_tokens = r.num_cached_tokens or hit
             if self.decoder_keep is not None:  # the decoder runs on the last decoder_keep tokens only
@@ -237,6 +239,11 @@ class Scheduler:
     def _match(self, r: Request) -> tuple[int, list[int], list]:
         """(hit length, cached device blocks, lower-tier payloads) for a request starting from
         scratch; sets its snapshot points."""
+        if r.admit_state is not None:  # engine roles: every block and the slot state come with it
+            r.approximate, r.snapshot_points = False, []
+            if self.prefix is not None:
+                self.prefix._pending = None
+            return r.admit_state.length, [], list(r.admit_state.payloads)
         if self.prefix is None:
             return 0, [], []
         decision, cached, uploads = self.prefix.match(r)

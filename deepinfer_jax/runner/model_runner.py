@@ -96,6 +96,25 @@ def _restore(cache, slot, rows, engram_pos, engram_ids):
     return _set_engram(cache, slot, engram_pos, engram_ids)
 
 
+def _slot_state(cache, slot):
+    """Everything ``slot`` holds besides block KV: its SWA rings (every layer), the compressor's
+    pending groups and the Engram look-back (a copy; the slot axis removed)."""
+    state = {"swa": jax.tree.map(lambda a: a[:, slot], cache["swa"]),
+             "comp": jax.tree.map(lambda a: a[slot], cache["comp"])}
+    if "engram" in cache:
+        state["engram"] = cache["engram"][slot]
+    return state
+
+
+def _set_slot_state(cache, slot, state):
+    """Write a ``_slot_state`` copy into ``slot``."""
+    out = {**cache, "swa": jax.tree.map(lambda a, r: a.at[:, slot].set(r), cache["swa"], state["swa"]),
+           "comp": jax.tree.map(lambda a, r: a.at[slot].set(r), cache["comp"], state["comp"])}
+    if "engram" in cache:
+        out["engram"] = cache["engram"].at[slot].set(state["engram"])
+    return out
+
+
 def _read_blocks(cache, block_ids):
     """Every KV-source layer's stored rows of ``block_ids`` [n] (the block axis first)."""
     return jax.tree.map(lambda a: a[block_ids], cache["global"])
@@ -172,6 +191,8 @@ class ModelRunner:
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
         self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))
         self._read_blocks_fn = jax.jit(_read_blocks)
+        self._slot_state_fn = jax.jit(_slot_state)
+        self._set_slot_state_fn = jax.jit(_set_slot_state, donate_argnums=(0,))
         self._write_blocks_fn = jax.jit(_write_blocks, donate_argnums=(0,))
         flat, self._global_def = jax.tree_util.tree_flatten_with_path(self.cache["global"])
         self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
@@ -232,6 +253,27 @@ class ModelRunner:
             self.cache = self._set_engram_fn(self.cache, np.int32(slot), pos, ids)
         else:
             self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, pos, ids)
+
+    def snapshot_slot(self, slot: int) -> dict[str, np.ndarray]:
+        """Dispatch a copy of ``slot``'s whole per-request state (SWA rings, compressor groups, Engram
+        look-back) after the launched steps: with the block KV it is the exact state at any position,
+        not only at a block boundary (a handoff between engines, ``cluster.handoff``). Returns a
+        ``name -> device array`` dict (``to_host`` fetches it)."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(self._slot_state_fn(self.cache, np.int32(slot)))
+        return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+    def slot_state_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``name -> (shape, dtype)`` of a ``snapshot_slot`` result (what a handoff must carry)."""
+        shapes = jax.eval_shape(_slot_state, self.cache, np.int32(0))
+        flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
+        return {jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flat}
+
+    def restore_slot(self, slot: int, state: dict[str, np.ndarray]) -> None:
+        """Put a ``snapshot_slot`` copy (host or device arrays, by name) into ``slot`` before its next step."""
+        shapes = jax.eval_shape(_slot_state, self.cache, np.int32(0))
+        flat, tree = jax.tree_util.tree_flatten_with_path(shapes)
+        leaves = [state[jax.tree_util.keystr(path)] for path, _ in flat]
+        self.cache = self._set_slot_state_fn(self.cache, np.int32(slot), jax.tree_util.tree_unflatten(tree, leaves))
 
     def _io_ids(self, block_ids: Sequence[int], pad: int) -> list[np.ndarray]:
         """Block ids in fixed-size groups (one compiled shape), padded with ``pad``."""

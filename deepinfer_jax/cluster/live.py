@@ -1,0 +1,420 @@
+"""``Cluster``: prefill and decode instances as Ray actors, routed from the driver (issue 23 item 2).
+
+    from deepinfer_jax.cluster import Cluster
+    with Cluster(prefill=1, decode=1, model="tiny", block_size=16, max_model_len=128) as c:
+        outs = c.generate(prompts, SamplingParams(temperature=0, max_tokens=16))  # == LLM.generate
+
+Each instance is an ``actors.EngineActor`` (one engine, one process); every instance shares one
+file block store (``block_store``, a temporary directory by default). The driver-side router uses the
+cluster policies: the entry prefix match (``prefix_index.match_tokens`` against the store's files),
+the prefill balancer (``PrefillBalancer``: quota ``cost(q, c)`` of the uncached part, one round per
+``submit``) and the decode balancer (``pick_decode_rank`` on request count and KV tokens).
+
+A request goes ``prefill -> handoff -> decode``; the driver keeps its latest handoff until it
+finishes, which makes the faults cheap to survive:
+
+- a **decode actor dies** (``RayActorError``): its requests go, with their handoffs, to the other
+  decode instances and continue from there (the blocks are in the store, the rest in the handoff);
+- a **prefill actor dies**: its requests are routed again, to the other prefill instances;
+- a **handoff is unusable** or a block is missing from the store (a write failed): the decode
+  instance recomputes (``roles.DecodeInstance``);
+- **going offline** (``retire_decode``): the instance takes no new requests, finishes what it can
+  within the grace period (``decode_grace_s``, 60 s as in production by default), then forwards the
+  rest (blocks to the store + state) to the other decode instances, which continue them exactly.
+
+Outputs are recorded once per request id (a late duplicate is dropped and counted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
+from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, request_quota
+from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_tokens
+from deepinfer_jax.engine import RequestError, RequestOutput, SamplingParams
+from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.dp_router import RankLoad
+from deepinfer_jax.engine.outputs import RequestMetrics
+
+__all__ = ["Cluster", "ClusterStats", "ray_init_options"]
+
+log = logging.getLogger(__name__)
+_ENV_PASSED = ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS", "XLA_FLAGS", "DEEPINFER_PROGRAM_STORE")
+
+
+def ray_init_options(**overrides) -> dict:
+    """``ray.init`` keywords for a local run: 2 CPUs, no dashboard, and workers that import this
+    checkout (``PYTHONPATH``) with the driver's JAX settings."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "runtime_env": {"env_vars": env},
+            **overrides}
+
+
+@dataclass
+class ClusterStats:
+    """Router counters: handoffs and their bytes and time, admissions, faults survived."""
+
+    handoffs: int = 0
+    handoff_bytes: int = 0
+    handoff_s: float = 0.0  # on the instances: state copies, block writes, encoding
+    exact: int = 0  # decode admissions from the handoff, nothing recomputed
+    recomputed: dict = field(default_factory=dict)  # decode admissions that recomputed, by reason
+    rerouted_prefill: int = 0  # requests routed again after their prefill actor died
+    resumed_decode: int = 0  # requests continued elsewhere after their decode actor died
+    forwarded: int = 0  # requests a retiring decode instance handed on
+    duplicates: int = 0  # outputs for an already finished request (dropped)
+    finished_at_prefill: int = 0  # requests the first token already ended
+
+
+@dataclass
+class _Req:
+    rid: str
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+    arrival: float
+    where: tuple[str, int] | None = None
+    quota: float = 0.0
+    handoff: bytes | None = None
+    output_ids: list[int] | None = None  # known generated tokens when there is no handoff (forwarding)
+    first: RequestOutput | None = None
+    first_time: float | None = None
+    done: RequestOutput | None = None
+
+
+@dataclass
+class _Instance:
+    role: str
+    index: int
+    actor: object
+    alive: bool = True
+    accepting: bool = True
+    retire_at: float | None = None  # going offline: forward what is left at this time
+    call: object = None  # the outstanding ObjectRef
+    adds: list = field(default_factory=list)
+    busy: bool = False
+    rids: set = field(default_factory=set)
+
+
+class Cluster:
+    """``prefill`` + ``decode`` engine instances on Ray; see the module docstring.
+
+    ``model`` and ``**settings``: as for ``LLM`` (every instance); ``prefill_settings`` /
+    ``decode_settings`` override per role. ``ray_init``: keywords for ``ray.init`` when Ray is not
+    initialised yet (local: ``num_cpus=2``, no dashboard); the workers import this checkout.
+    """
+
+    def __init__(self, prefill: int = 1, decode: int = 1, model=None, *, block_store: str | os.PathLike | None = None,
+                 prefill_settings: dict | None = None, decode_settings: dict | None = None,
+                 decode_grace_s: float = 60.0, budget_s: float = 0.05, ray_init: dict | None = None,
+                 actor_options: dict | None = None, **settings) -> None:
+        import ray
+
+        if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
+            raise ValueError(f"prefill: at least one instance, got {prefill!r}")
+        if isinstance(decode, bool) or not isinstance(decode, int) or decode < 1:
+            raise ValueError(f"decode: at least one instance, got {decode!r}")
+        self._ray = ray
+        self._own_ray = not ray.is_initialized()
+        if self._own_ray:
+            ray.init(**ray_init_options(**(ray_init or {})))
+        self._tmp = None
+        if block_store is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-store-")
+            block_store = self._tmp.name
+        self.block_store = str(block_store)
+        self.model, self.decode_grace_s, self.budget_s = model, decode_grace_s, budget_s
+        self._settings = {"prefill": {**settings, **(prefill_settings or {}), "block_store": self.block_store},
+                          "decode": {**settings, **(decode_settings or {}), "block_store": self.block_store}}
+        self._settings["prefill"].setdefault("speculation", "none")  # a prefill instance never decodes
+        from deepinfer_jax.cluster.actors import EngineActor
+
+        self._actor_cls = ray.remote(**{"num_cpus": 0, "max_restarts": 0, **(actor_options or {})})(EngineActor)
+        self.instances: dict[str, list[_Instance]] = {"prefill": [], "decode": []}
+        for _ in range(prefill):
+            self._start("prefill")
+        for _ in range(decode):
+            self._start("decode")
+        self.info = ray.get(self.instances["prefill"][0].actor.info.remote())
+        ray.get([i.actor.info.remote() for i in self._live()])  # every engine has started
+        coef = self.info["cost_coef"] or (0.0, 1.0, 0.0, 0.0)  # no cost model: tokens as quota
+        self._cost = CostModel(coef)
+        from deepinfer_jax.cache.block_store import FileBlockStore
+
+        self._index = PrefixIndex(container=FileBlockStore(self.block_store, bytes.fromhex(self.info["fingerprint"])))
+        self._balancer = None
+        self.requests: dict[str, _Req] = {}
+        self._numbers = 0
+        self.stats = ClusterStats()
+
+    # ---- instances ----
+    def _start(self, role: str) -> _Instance:
+        inst = _Instance(role, len(self.instances[role]),
+                         self._actor_cls.remote(role, self.model, self._settings[role]))
+        self.instances[role].append(inst)
+        self._balancer = None  # re-made for the new count at the next submit
+        return inst
+
+    def add_instance(self, role: str) -> int:
+        """Start one more instance of ``role`` (scale-up); returns its index once it is ready."""
+        inst = self._start(role)
+        self._ray.get(inst.actor.info.remote())
+        return inst.index
+
+    def _live(self, role: str | None = None) -> list[_Instance]:
+        roles = [role] if role else ["prefill", "decode"]
+        return [i for r in roles for i in self.instances[r] if i.alive]
+
+    def kill(self, role: str, index: int) -> None:
+        """Kill an instance's actor at once (a crash, for fault tests); the router notices on its next call."""
+        self._ray.kill(self.instances[role][index].actor, no_restart=True)
+
+    def retire_decode(self, index: int, grace_s: float | None = None) -> None:
+        """Take decode instance ``index`` offline: no new requests; after ``grace_s`` (default
+        ``decode_grace_s``) its unfinished requests are forwarded to the other decode instances."""
+        inst = self.instances["decode"][index]
+        others = [i for i in self._live("decode") if i is not inst and i.accepting]
+        if not others:
+            raise ValueError("index: no other decode instance to take its requests")
+        inst.accepting = False
+        inst.retire_at = time.perf_counter() + (self.decode_grace_s if grace_s is None else grace_s)
+
+    # ---- requests ----
+    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[str]:
+        """Validate and route prompts (as ``LLM.generate`` takes them); returns their request ids."""
+        from deepinfer_jax.llm import LLM
+
+        items = LLM._prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise RequestError("sampling_params", f"{len(params)} given for {len(items)} prompts")
+        prepared = self._ray.get(self._live("prefill")[0].actor.prepare.remote(items, params))
+        rids = []
+        now = time.perf_counter()
+        for (text, ids), sp in zip(prepared, params):
+            rid = f"c{self._numbers}"
+            self._numbers += 1
+            self.requests[rid] = _Req(rid, text, ids, sp, now)
+            self._route_prefill(self.requests[rid])
+            rids.append(rid)
+        if self._balancer is not None:
+            self._balancer.end_round()
+        return rids
+
+    def _route_prefill(self, req: _Req) -> None:
+        """Entry prefix match, then the prefill balancer over the live prefill instances."""
+        live = self._live("prefill")
+        if not live:
+            raise RuntimeError("no prefill instance left")
+        if self._balancer is None or self._balancer.num_engines != len(self.instances["prefill"]):
+            self._balancer = PrefillBalancer(len(self.instances["prefill"]), round_quota_ns=1e9)
+        m, _ = match_tokens(req.ids, bytes.fromhex(self.info["extra"]), self._index, None,
+                            self.info["block_size"], self.info["ring_rows"])
+        req.quota = request_quota(self._cost, m.uncached_tokens, m.hit_tokens, m.replay_tokens)
+        backlogs = [[sum(self.requests[r].quota for r in i.rids)] for i in self.instances["prefill"]]
+        accepting = [i.alive and i.accepting for i in self.instances["prefill"]]
+        e, _rank = self._balancer.route(len(req.ids), req.quota, backlogs, accepting)
+        inst = self.instances["prefill"][e]
+        req.where = ("prefill", e)
+        inst.rids.add(req.rid)
+        inst.adds.append({"prompt_ids": req.ids, "params": req.params, "request_id": req.rid, "prompt": req.text})
+
+    def _route_decode(self, req: _Req) -> None:
+        """The decode balancer over every accepting decode instance (one rank each)."""
+        cands = self.instances["decode"]
+        views = [DecodeInstanceView((RankLoad(len(i.rids), sum(self._tokens(self.requests[r]) for r in i.rids)),),
+                                    i.alive and i.accepting) for i in cands]
+        if not any(v.accepting for v in views):
+            raise RuntimeError("no decode instance left to take requests")
+        e, _ = pick_decode_rank(views, self._tokens(req))
+        inst = cands[e]
+        req.where = ("decode", e)
+        inst.rids.add(req.rid)
+        inst.adds.append({"prompt_ids": req.ids, "params": req.params, "request_id": req.rid, "data": req.handoff,
+                          "prompt": req.text, "num_cached_tokens": req.first.num_cached_tokens if req.first else 0,
+                          "output_ids": req.output_ids})
+
+    @staticmethod
+    def _tokens(req: _Req) -> int:
+        return len(req.ids) + (len(req.output_ids) if req.output_ids else 1)
+
+    # ---- the loop ----
+    @property
+    def has_unfinished(self) -> bool:
+        return any(r.done is None for r in self.requests.values())
+
+    def step(self, timeout_s: float = 1.0) -> list[RequestOutput]:
+        """One router round: start a call on every instance with work, take the results of those that
+        answered within ``timeout_s``; returns the requests that finished."""
+        now = time.perf_counter()
+        for inst in self._live("decode"):
+            if inst.retire_at is not None and inst.call is None and (now >= inst.retire_at or not inst.rids):
+                inst.call = ("forward", inst.actor.forward_unfinished.remote())
+        for inst in self._live():
+            if inst.call is None and (inst.adds or inst.busy):
+                adds, inst.adds = inst.adds, []
+                inst.call = ("work", inst.actor.work.remote(adds, self.budget_s), adds)
+        calls = {inst.call[1]: inst for inst in self._live() if inst.call is not None}
+        if not calls:
+            return []
+        ready, _ = self._ray.wait(list(calls), num_returns=1, timeout=timeout_s)
+        finished = []
+        for ref in ready:
+            inst = calls[ref]
+            kind, *rest = inst.call
+            inst.call = None
+            try:
+                answer = self._ray.get(ref)
+            except self._ray.exceptions.RayActorError:
+                self._lost(inst, rest[0] if kind == "work" else [])
+                continue
+            if kind == "forward":
+                finished += self._forwarded(inst, *answer)
+            else:
+                finished += self._answer(inst, answer)
+        return finished
+
+    def _answer(self, inst: _Instance, answer: dict) -> list[RequestOutput]:
+        inst.busy = answer["busy"]
+        for rid, message in answer["errors"].items():
+            raise RequestError("request", f"{rid}: {message}")
+        for rid, how in answer["how"].items():
+            if how == "exact":
+                self.stats.exact += 1
+            else:
+                reason = how.split(":", 1)[1]
+                self.stats.recomputed[reason] = self.stats.recomputed.get(reason, 0) + 1
+        finished = []
+        now = time.perf_counter()
+        for res in answer["results"]:
+            if inst.role == "prefill":
+                req = self.requests[res.request_id]
+                inst.rids.discard(req.rid)
+                if req.done is not None or req.where != ("prefill", inst.index):
+                    continue
+                req.first, req.first_time = res.output, now
+                if res.handoff is None:
+                    self.stats.finished_at_prefill += 1
+                    finished += self._finish(req, res.output, now)
+                    continue
+                req.handoff = res.handoff
+                self.stats.handoffs += 1
+                self.stats.handoff_bytes += len(res.handoff)
+                self.stats.handoff_s += res.handoff_s
+                self._route_decode(req)
+            else:
+                req = self.requests[res.request_id]
+                inst.rids.discard(req.rid)
+                finished += self._finish(req, res, now)
+        return finished
+
+    def _finish(self, req: _Req, out: RequestOutput, now: float) -> list[RequestOutput]:
+        if req.done is not None:
+            self.stats.duplicates += 1
+            return []
+        first = req.first or out
+        metrics = RequestMetrics(req.arrival, req.first_time or now, now, len(out.outputs[0].token_ids))
+        req.done = dataclasses.replace(out, num_cached_tokens=first.num_cached_tokens, metrics=metrics,
+                                       prompt_logprobs=first.prompt_logprobs, prompt=req.text)
+        req.where = None
+        return [req.done]
+
+    def _lost(self, inst: _Instance, adds: list) -> None:
+        """An actor died: route its requests again (prefill) or continue them elsewhere (decode)."""
+        inst.alive, inst.accepting, inst.call, inst.busy = False, False, None, False
+        rids, inst.rids, inst.adds = sorted(inst.rids), set(), []
+        for rid in rids:
+            req = self.requests[rid]
+            if req.done is not None:
+                continue
+            if inst.role == "prefill":
+                self.stats.rerouted_prefill += 1
+                self._route_prefill(req)
+            else:
+                self.stats.resumed_decode += 1
+                self._route_decode(req)
+
+    def _forwarded(self, inst: _Instance, outputs: list, forwards: list) -> list[RequestOutput]:
+        """A retiring decode instance answered: record what it finished, route the rest, stop it."""
+        now = time.perf_counter()
+        finished = []
+        for out in outputs:
+            inst.rids.discard(out.request_id)
+            finished += self._finish(self.requests[out.request_id], out, now)
+        for f in forwards:
+            req = self.requests[f.request_id]
+            inst.rids.discard(req.rid)
+            if req.done is not None:
+                continue
+            self.stats.forwarded += 1
+            if f.handoff is not None:
+                req.handoff, req.output_ids = f.handoff, None
+                self.stats.handoff_bytes += len(f.handoff)
+                self.stats.handoff_s += f.handoff_s
+            else:
+                req.output_ids = f.output_ids or None
+                req.handoff = None if req.output_ids else req.handoff
+            self._route_decode(req)
+        leftover = sorted(inst.rids)  # requests routed to it after the forward started: route them again
+        inst.rids, inst.adds = set(), []
+        inst.alive = inst.accepting = False
+        self._ray.kill(inst.actor, no_restart=True)
+        for rid in leftover:
+            if self.requests[rid].done is None:
+                self._route_decode(self.requests[rid])
+        return finished
+
+    def generate(self, prompts, sampling_params=None, timeout_s: float | None = None) -> list[RequestOutput]:
+        """Like ``LLM.generate``: the outputs in the order of ``prompts``."""
+        rids = self.submit(prompts, sampling_params)
+        end = None if timeout_s is None else time.perf_counter() + timeout_s
+        while any(self.requests[r].done is None for r in rids):
+            if end is not None and time.perf_counter() > end:
+                raise TimeoutError(f"generate: unfinished after {timeout_s} s")
+            self.step()
+        return [self.requests.pop(r).done for r in rids]
+
+    def generate_stream(self, prompts, sampling_params=None):
+        """Yield each request's ``RequestOutput`` as it finishes (whole, not per token)."""
+        rids = set(self.submit(prompts, sampling_params))
+        while rids:
+            for out in self.step():
+                if out.request_id in rids:
+                    rids.discard(out.request_id)
+                    self.requests.pop(out.request_id, None)
+                    yield out
+
+    def instance_stats(self) -> list[dict]:
+        return self._ray.get([i.actor.stats.remote() for i in self._live()])
+
+    def shutdown(self) -> None:
+        """Stop every actor (and Ray, if this cluster started it); remove a temporary store."""
+        for inst in self._live():
+            try:
+                self._ray.kill(inst.actor, no_restart=True)
+            except (ValueError, self._ray.exceptions.RayError) as e:  # already gone
+                log.debug("cluster: %s %d already stopped: %s", inst.role, inst.index, e)
+            inst.alive = False
+        if self._own_ray:
+            self._ray.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
