@@ -35,9 +35,10 @@ import numpy as np
 from deepinfer_jax.checkpoint import names as N
 from deepinfer_jax.checkpoint.residency import BF16_RESIDENT, WeightsError
 from deepinfer_jax.config import CacheConfig, ModelConfig
+from deepinfer_jax.config.shipped import shipped
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "config" / "sharding"
-#: The single-machine offline example of engine.md §6: one 8-GPU machine, EP8 x DP8, no redundant slots.
+PRESET_DIR = shipped("sharding")
+#: The single-machine offline example of engine.md §4: one 8-GPU machine, EP8 x DP8, no redundant slots.
 OFFLINE_8 = "offline-8"
 DESIGN_PRESETS = ("prefill-ep8-dp8", "decode-ep64-dp64", "decode-ep128-dp128", OFFLINE_8)
 H200_BYTES = 141 * 10**9
@@ -64,7 +65,7 @@ class Layout:
 
     @classmethod
     def from_preset(cls, preset: str | Path) -> Layout:
-        """A preset name (``config/sharding/*.toml``), a ``.toml`` path, or ``offline-8``."""
+        """A preset name (``sharding/*.toml``), a ``.toml`` path, or ``offline-8``."""
         if str(preset) == OFFLINE_8:
             return cls(OFFLINE_8, 8, 8, 8, 0)
         path = Path(preset)
