@@ -176,6 +176,7 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
     from deepinfer_jax.runner.program_store import StoredJit
 
     monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
+    monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "on")  # opt-in
     traced, loaded = [], []
 
     def step(scale, state, x):
