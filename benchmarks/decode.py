@@ -89,6 +89,20 @@ def cache_bytes_read(cfg, cc: CacheConfig, context: int) -> int:
     return swa + entries
 
 
+def decode_step_seconds(runner, reqs, ids, batch: int, context: int, steps: int) -> float:
+    """Median time of ``steps`` decode steps (one teacher-forced token per request after ``context``),
+    the first left out when there are more (it may wait on a compilation)."""
+    times = []
+    for step in range(steps):
+        pos = context + step
+        chunks = [ChunkSpec(slot=i, block_table=reqs[i].block_ids, ctx_len=pos, token_ids=[int(ids[i, pos])])
+                  for i in range(batch)]
+        t0 = time.perf_counter()
+        runner.execute(chunks)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
 def bench(cfg: ModelConfig, batch: int, context: int, steps: int, storage: str) -> dict:
     params = init_params(cfg, seed=0)
     block = 64
@@ -115,15 +129,7 @@ def bench(cfg: ModelConfig, batch: int, context: int, steps: int, storage: str) 
             runner.execute([ChunkSpec(slot=i, block_table=reqs[i].block_ids, ctx_len=s,
                                       token_ids=ids[i, s : s + k].tolist())])
     prefill_s = time.perf_counter() - t0
-    times = []
-    for step in range(steps):
-        pos = context + step
-        chunks = [ChunkSpec(slot=i, block_table=reqs[i].block_ids, ctx_len=pos, token_ids=[int(ids[i, pos])])
-                  for i in range(batch)]
-        t0 = time.perf_counter()
-        runner.execute(chunks)
-        times.append(time.perf_counter() - t0)
-    cached = statistics.median(times[1:] if len(times) > 1 else times)
+    cached = decode_step_seconds(runner, reqs, ids, batch, context, steps)
     fwd = jax.jit(forward_full, static_argnums=1)
     seq = ids[:, : context + 1]
     fwd(params, cfg, seq).block_until_ready()  # compile

@@ -12,8 +12,6 @@ and by this machine's large-copy bandwidth (``decode.memory_bandwidth``). Writes
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import numpy as np
 
@@ -46,15 +44,9 @@ def decode_step_s(cfg, params, batch: int, context: int, steps: int, cache_bytes
         for s in range(0, context, PREFILL_CHUNK):
             k = min(PREFILL_CHUNK, context - s)
             runner.execute([ChunkSpec(slot=i, block_table=r.block_ids, ctx_len=s, token_ids=ids[i, s:s + k].tolist())])
-    times = []
-    for step in range(steps):
-        pos = context + step
-        chunks = [ChunkSpec(slot=i, block_table=reqs[i].block_ids, ctx_len=pos, token_ids=[int(ids[i, pos])])
-                  for i in range(batch)]
-        t0 = time.perf_counter()
-        runner.execute(chunks)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:] if len(times) > 1 else times), batch * cache_bytes_read(cfg, cc, context)
+    from decode import decode_step_seconds  # the decode benchmark's loop (this module runs from it)
+
+    return decode_step_seconds(runner, reqs, ids, batch, context, steps), batch * cache_bytes_read(cfg, cc, context)
 
 
 def compare(batches, context: int, steps: int, bandwidth: float, cache_bytes_read, out_dir) -> list[dict]:
