@@ -179,6 +179,16 @@ def test_bad_weights_setting_and_missing_scale_are_typed_errors():
         params_from_state_dict(cfg, tensors, weights="quantized")
 
 
+#: one token shape for every forward_full comparison here: the shipped model *is* the small preset's config, so
+#: its float32 program is the small preset test's, read from the compilation cache (the quantized trees differ:
+#: the shipped head is FP8, the random one BF16)
+_IDS_SHAPE = (2, 45)
+#: the engine shape of tests/test_chat.py and test_serve.py (the quantized engine's programs are shared through
+#: the compilation cache)
+_CHAT_TEST_ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32,
+                         max_model_len=512, chunking="tokens", use_tqdm=False)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_presets_quantized_logits_equal_float_resident(preset):
     cfg = getattr(ModelConfig, preset)()
@@ -187,7 +197,7 @@ def test_presets_quantized_logits_equal_float_resident(preset):
     pq = params_from_state_dict(cfg, tensors, weights="quantized")
     kinds = {leaf.kind for leaf in jax.tree_util.tree_leaves(pq, is_leaf=qw.is_quantized) if qw.is_quantized(leaf)}
     assert kinds == {"fp8", "fp4", "bf16"}  # embed FP8 32x32, head kept BF16
-    ids = RNG.integers(3, cfg.vocab_size, (2, 37))
+    ids = RNG.integers(3, cfg.vocab_size, _IDS_SHAPE)
     f = jax.jit(forward_full, static_argnums=1)
     lf, lq = np.asarray(f(pf, cfg, ids)), np.asarray(f(pq, cfg, ids))
     assert np.max(np.abs(lq - lf)) <= 1e-5 * np.max(np.abs(lf))
@@ -200,7 +210,7 @@ def test_shipped_model_quantized_residency():
     ckpt_bytes = (DEFAULT_CHECKPOINT / "model.safetensors").stat().st_size
     assert abs(resident_bytes(pq) - ckpt_bytes) <= 0.10 * ckpt_bytes  # float32 residency is ~4x
     assert resident_bytes(pf) > 3 * ckpt_bytes
-    ids = RNG.integers(3, 5000, (2, 45))
+    ids = RNG.integers(3, 5000, _IDS_SHAPE)  # the small preset's shapes: its float32 program comes from the cache
     f = jax.jit(forward_full, static_argnums=1)
     lf, lq = np.asarray(f(pf, cfg, ids)), np.asarray(f(pq, cfg, ids))
     assert np.max(np.abs(lq - lf)) <= 1e-5 * np.max(np.abs(lf))
@@ -213,7 +223,7 @@ def test_engine_default_is_quantized_with_identical_greedy_tokens():
     sp = SamplingParams(temperature=0, max_tokens=16)
     runs = {}
     for weights in (None, "float32"):
-        llm = LLM(weights=weights, use_tqdm=False, max_num_seqs=4)
+        llm = LLM(weights=weights, **_CHAT_TEST_ENGINE)
         runs[llm.weights_resident] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
     assert set(runs) == {"quantized", "float32"}
