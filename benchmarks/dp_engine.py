@@ -26,7 +26,7 @@ source (what the model was trained on), run twice per preset on the same engine 
 never rebalances (the load-blind identity placement, redundant slots holding the first experts again)
 and EPLB rebalances every ``--period`` steps from a ``--window``-step window (short, since a CPU run
 has tens of steps, not thousands). Per step and MoE layer, the rank loads are *measured* from the
-step's per-slot pair counts (``DPRunner.slot_counts``); reported: the mean per-step moe_lb (max rank
+step's per-slot pair counts (``ModelRunner.slot_counts``); reported: the mean per-step moe_lb (max rank
 load / mean rank load) over the steps after the first rebalance, for both runs on the same steps, the
 same over the whole run's summed loads, the rebalances, output tok/s and whether the tokens are equal.
 Prints a table whose last line is the moe_lb after / baseline ratio; writes

@@ -21,7 +21,7 @@ for a quantized checkpoint on one device; ``"float32"`` / ``"bfloat16"`` decode 
 ``LLM(..., sharding="cpu-dp2-ep4")`` (a preset name, a preset ``.toml`` path or a ``ShardingPreset``)
 runs over a device mesh: parameters placed by the sharding rules (routed experts over ``ep``), one
 KV cache and scheduler per attention DP rank (``engine.dp_core.DPEngineCore``,
-``runner.dp_runner.DPRunner``); ``EngineConfig.sharding`` says what it needs and refuses.
+``runner.ModelRunner`` over the mesh); ``EngineConfig.sharding`` says what it needs and refuses.
 """
 
 from __future__ import annotations
@@ -214,10 +214,8 @@ class LLM:
             self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
                                       decoder_replay=ec.decoder_replay)
         else:  # one cache per DP rank (cache_cfg is one rank's), one step for all ranks
-            from deepinfer_jax.runner.dp_runner import DPRunner
-
-            self.runner = DPRunner(cfg, params, cache_cfg, self.mesh, self.sharding_preset, buckets,
-                                   num_top_logprobs=ec.max_logprobs)
+            self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
+                                      mesh=self.mesh, preset=self.sharding_preset)
         self._online_saves: dict[str, Path] = {}  # profiles fitted online, saved after each generate
         if hasattr(self.runner, "bucket_use"):  # lazy: short runs reuse a compiled larger bucket (BucketUse)
             self.runner.bucket_use.lazy = ec.precompile == "lazy"

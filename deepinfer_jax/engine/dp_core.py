@@ -3,12 +3,12 @@
 Each DP rank is an independent scheduling domain: its own ``Scheduler`` (waiting queue, running
 list, block pool, slots) over its own shard of the KV cache. A new request joins the rank chosen by
 ``dp_router.pick_rank`` (balancing request count and total KV length) and stays there until it ends.
-One ``step()`` schedules every rank, hands the per-rank chunk lists to the one ``DPRunner`` (all
+One ``step()`` schedules every rank, hands the per-rank chunk lists to the one ``ModelRunner`` over the mesh (all
 ranks step together in one jitted program; idle ranks run padding) and reconciles the sampled
 tokens exactly as ``EngineCore`` does: synchronous, or asynchronous with the host one step behind
 (engine.md §2.2). Request validation, stop rules, outputs and statistics are ``EngineCore``'s.
 
-EPLB (engine.md §3), when the runner runs the EP MoE (``DPRunner.placement`` is set): each reconciled
+EPLB (engine.md §3), when the runner runs the EP MoE (``ModelRunner.placement`` is set): each reconciled
 step's per-slot pair counts go into a ``parallel.eplb_policy.Rebalancer`` (window and period from the
 preset's ``eplb`` settings); when a rebalance is due it computes the new placement and the runner moves
 the expert weights before the next step is dispatched (steps already in flight finish on the old ones;
@@ -20,7 +20,7 @@ predicted by, and the model refitted on, the rank whose plan predicts the most t
 
 Structured output: the token masks of every rank's constrained rows are computed as in ``EngineCore``
 (on the worker thread while the device runs the model step, or first with ``overlap=False``) into one
-``[dp * rows, words]`` mask, row ``d * rows + k`` for rank d's k-th request (``DPForward.chunk_rows``),
+``[dp * rows, words]`` mask, row ``d * rows + k`` for rank d's k-th request (``Forward.chunk_rows``),
 which the DP sampling program applies.
 
 Not supported with DP yet (each refused with a clear error naming the setting): prefix caching
@@ -47,7 +47,7 @@ from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax.parallel.eplb_policy import RebalancePolicy, Rebalancer
 
 if TYPE_CHECKING:
-    from deepinfer_jax.runner.dp_runner import DPRunner
+    from deepinfer_jax.runner import ModelRunner
 
 __all__ = ["DPEngineCore"]
 
@@ -65,12 +65,12 @@ class _DPPlan(SchedulerOutput):
 
 @dataclass
 class _DPInFlight(_InFlight):
-    forward: Any = None  # the runner's DPForward when EPLB reads its slot counts
+    forward: Any = None  # the runner's Forward when EPLB reads its slot counts
 
 
 class DPEngineCore(EngineCore):
     """``EngineCore``'s public surface (add_request, step, abort, drain, has_unfinished, requests, stats,
-    validate) over ``dp`` per-rank schedulers and one ``DPRunner``.
+    validate) over ``dp`` per-rank schedulers and one ``ModelRunner`` over the mesh.
 
     ``schedulers[d]`` schedules rank d (all with the same settings; ``EngineCore.scheduler`` is rank 0's
     and is read only for what every rank shares, e.g. ``max_model_len``). ``rank_requests[d]`` counts the
@@ -78,7 +78,7 @@ class DPEngineCore(EngineCore):
     steps it ran only padding.
     """
 
-    def __init__(self, runner: DPRunner, schedulers: Sequence[Scheduler], *, tokenizer: Tokenizer | None,
+    def __init__(self, runner: ModelRunner, schedulers: Sequence[Scheduler], *, tokenizer: Tokenizer | None,
                  eos_token_id: int, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
                  structured: StructuredOutputs | None = None) -> None:
         schedulers = list(schedulers)

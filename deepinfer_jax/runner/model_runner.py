@@ -1,5 +1,15 @@
 """ModelRunner: turns scheduled request chunks into padded device inputs and runs the jitted step.
 
+One runner for one device and for a device mesh. Without ``mesh`` it owns one KV cache (a single
+device is the mesh ``dp=1, ep=1``); with ``mesh`` and a sharding ``preset`` it owns one cache per
+attention data-parallel rank, stacked along a leading ``dp`` axis (engine.md §4), the parameters
+placed by the preset's rules, and runs every rank's step in one program (``runner.mesh_step``;
+with EPLB the EP MoE and its placement, ``set_placement`` / ``slot_counts``). The host side is the
+same either way: a step is one chunk list per rank (one device: just the chunk list), each rank
+padded to one common bucket shape (an idle rank is all padding, which writes nothing), and its
+sampled ids stay on the device, in a ``[slots]`` (one device) or ``[dp, slots]`` buffer, feeding
+the next step by rank and slot. The jitted programs themselves are ``runner.step_programs``.
+
 Two entry points share the model step: ``execute`` returns logits (for tests and research),
 ``launch`` (= ``forward`` then ``sample``, two jitted programs) samples after the step
 (``model.sampler``) and returns a ``PendingStep`` without waiting for the device; between
@@ -13,10 +23,15 @@ The only place that converts between host data (lists of ids, block tables) and 
 ``StepInputError`` and leaves the cache (and every other request's state) untouched. The cache is
 donated to the step; shapes are bucketed and all buckets compile in ``precompile``; ``traces``
 counts compilations so tests can assert that a long mixed run never recompiles.
+
+Over a mesh the logits-only ``execute`` and the prefix cache's block and window copies are not
+supported yet (``ValueError``); several processes (``jax.distributed``) pass the same host inputs,
+which become global arrays (``parallel.mesh.put_global``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.model.kv_cache import init_cache
-from deepinfer_jax.model.paged import StepInputs, paged_step
-from deepinfer_jax.model.sampler import SamplingInputs, sample
+from deepinfer_jax.model.paged import StepInputs
+from deepinfer_jax.model.sampler import SamplingInputs
+from deepinfer_jax.runner import step_programs
 from deepinfer_jax.runner.buckets import Buckets, BucketUse
 from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import (
@@ -34,55 +50,16 @@ from deepinfer_jax.runner.step_batch import (
     SampleSpec,
     StepInputError,
     build_inputs,
+    check_chunks,
     check_runner_settings,
     logit_rows,
+    pick_shape,
     sampling_batch,
     validate_chunks,
 )
+from deepinfer_jax.runner.step_programs import count_trace, forward_step_flat, logits_step_flat, sample_rows
 
 __all__ = ["ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "StepInputError"]
-
-
-_TRACES = [0]
-
-
-def _count_trace() -> None:
-    """A program loaded from the program store counts as built (as a tracing would)."""
-    _TRACES[0] += 1
-
-
-def _step(params, cfg, cache_cfg, cache, inputs):
-    _TRACES[0] += 1  # runs only while tracing
-    return paged_step(params, cfg, cache_cfg, cache, inputs)
-
-
-def _forward_step(params, cfg, cache_cfg, cache, last_ids, feed, inputs):
-    """The engine's model step: tokens marked ``feed`` come from ``last_ids`` [slots] (by slot);
-    returns the logits of ``inputs.logit_rows`` (one row per request) and the new cache."""
-    _TRACES[0] += 1
-    slots = cache_cfg.max_requests
-    token_slot = jnp.clip(inputs.req_slot[inputs.token_req], 0, slots - 1)
-    inputs = inputs._replace(token_ids=jnp.where(feed, last_ids[token_slot], inputs.token_ids))
-    return paged_step(params, cfg, cache_cfg, cache, inputs)
-
-
-def _step_flat(ptree, pleaves, cfg, cache_cfg, cache, inputs):
-    """``_step`` with the parameters as (treedef, leaves): jit flattens a list of arrays in C++, where an
-    ``nnx.State`` costs a Python traversal of every variable on every call (milliseconds per step)."""
-    return _step(jax.tree_util.tree_unflatten(ptree, pleaves), cfg, cache_cfg, cache, inputs)
-
-
-def _forward_step_flat(ptree, pleaves, cfg, cache_cfg, cache, last_ids, feed, inputs):
-    return _forward_step(jax.tree_util.tree_unflatten(ptree, pleaves), cfg, cache_cfg, cache, last_ids, feed, inputs)
-
-
-def _sample_rows(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot):
-    """Sample one token per row of ``logits`` [R, V] under the packed token ``mask`` [R, W] and store
-    it in ``last_ids`` at ``sample_slot`` (out of range = none). A separate program from the model
-    step so a structured-output mask can arrive while the step already runs on the device."""
-    _TRACES[0] += 1
-    out = sample(logits, sampling, num_top, mask, has_mask)
-    return out, last_ids.at[sample_slot].set(out.token_ids, mode="drop")
 
 
 def _snapshot(cache, slot):
@@ -136,14 +113,18 @@ def _set_engram(cache, slot, engram_pos, engram_ids):
 
 @dataclass
 class Forward:
-    """A dispatched model step whose sampling is still to dispatch (``ModelRunner.sample``); row i of
-    the step's logits belongs to chunk i, rows past the chunks are padding."""
+    """A dispatched model step whose sampling is still to dispatch (``ModelRunner.sample``). The logits rows
+    are rank-major (rank d's request row k is row ``d * rows_per_rank + k``; one device: rank 0 alone),
+    ``chunk_rows[i]`` is chunk i's row, rows past the chunks are padding."""
 
-    logits: jax.Array  # [rows, vocab] f32, on the device
-    sampling: SamplingInputs
-    sample_slot: np.ndarray
-    chunks: list
-    rows: int  # the request bucket
+    logits: jax.Array  # [rows, vocab] (one device) or [dp, rows_per_rank, vocab] f32, on the device(s)
+    sampling: SamplingInputs  # [rows]
+    sample_slot: np.ndarray  # [rows] where each row's token is stored (rank * slots + slot; out of range = none)
+    chunks: list  # every rank's chunks, rank by rank
+    rows: int  # the sampling program's rows: dp * the request bucket (the mask's rows)
+    chunk_rows: list[int] | None = None  # None: chunk i is row i
+    slot_counts: jax.Array | None = None  # EP step: [L, P] int32 pairs per physical slot (``ModelRunner.slot_counts``)
+    placement: object = None  # EP step: the ``parallel.eplb.Placement`` the step ran with
 
 
 class PendingStep:
@@ -164,29 +145,51 @@ class PendingStep:
 
 
 class ModelRunner:
-    """Owns the device cache and the compiled step for one model and cache layout."""
+    """Owns the device cache(s) and the compiled step for one model and cache layout, on one device or over
+    a mesh.
+
+    ``mesh`` / ``preset`` (a ``sharding.ShardingPreset`` or its name): the attention data-parallel ranks
+    (``dp_size``), one cache each; ``cache_cfg`` is one rank's cache. Without them: one device, ``dp_size`` 1.
+    """
 
     def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5,
-                 decoder_replay: bool = False):
+                 decoder_replay: bool = False, *, mesh=None, preset=None):
         cache_cfg.validate_for(cfg)
-        self.cfg, self.params, self.cache_cfg = cfg, params, cache_cfg
+        self.cfg, self.cache_cfg = cfg, cache_cfg
         self.buckets = buckets or Buckets()
         check_runner_settings(self.buckets, cache_cfg, num_top_logprobs)
         self.num_top_logprobs = num_top_logprobs
         if decoder_replay and cfg.decoder_start >= cfg.num_hidden_layers - 1:
             raise ValueError("decoder_replay needs a model with decoder layers (a CED split)")
+        if (mesh is None) != (preset is None):
+            raise ValueError("mesh and preset: give both (a device mesh) or neither (one device)")
+        if decoder_replay and mesh is not None:
+            raise ValueError("decoder_replay: not supported over a device mesh yet")
         self.decoder_replay = decoder_replay
+        self.mesh, self.preset, self.dp_size = mesh, None, 1
+        #: The EPLB placement of the experts' physical slots (None: no EP MoE).
+        self.placement = None
+        self.ep_spec = None
+        self._move_traces = None  # over a mesh: the weight-move programs' trace counter
         # the lazy engine sets .lazy (LLM(precompile="lazy"))
         self.bucket_use = BucketUse(self.buckets.tokens, blocks=self.buckets.blocks)
+        self.mask_words = (cfg.vocab_size + 31) // 32
+        self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device(s)
+        if mesh is None:
+            self._one_device_programs(params)
+        else:
+            self._mesh_programs(params, mesh, preset)
+
+    def _one_device_programs(self, params) -> None:
+        cfg, cache_cfg = self.cfg, self.cache_cfg
+        self.params = params
         self.cache = init_cache(cfg, cache_cfg)
         self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
         self._pleaves, self._ptree = jax.tree_util.tree_flatten(params)
         # the step programs: traced once per machine and kept on disk (runner.program_store)
-        self._fn = stored_jit(_step_flat, "step", (0, 2, 3), (4,), on_build=_count_trace)
-        self._forward_fn = stored_jit(_forward_step_flat, "forward", (0, 2, 3), (4,), on_build=_count_trace)
-        self._sample_fn = stored_jit(_sample_rows, "sample", (0,), on_build=_count_trace)
-        self.mask_words = (cfg.vocab_size + 31) // 32
-        self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device
+        self._fn = stored_jit(logits_step_flat, "step", (0, 2, 3), (4,), on_build=count_trace)
+        self._forward_fn = stored_jit(forward_step_flat, "forward", (0, 2, 3), (4,), on_build=count_trace)
+        self._sample_fn = stored_jit(sample_rows, "sample", (0,), on_build=count_trace)
         self._snapshot_fn = jax.jit(_snapshot)
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
         self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))
@@ -197,16 +200,99 @@ class ModelRunner:
         flat, self._global_def = jax.tree_util.tree_flatten_with_path(self.cache["global"])
         self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
 
+    def _mesh_programs(self, params, mesh, preset) -> None:
+        """Over a mesh (``runner.mesh_step``): the stacked caches, the placed parameters, the DP programs."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from deepinfer_jax import sharding as sh
+        from deepinfer_jax.parallel import weight_moves
+        from deepinfer_jax.parallel.eplb import identity_placement
+        from deepinfer_jax.runner import mesh_step
+
+        cfg, cache_cfg = self.cfg, self.cache_cfg
+        preset = sh.resolve_preset(preset)
+        preset.validate_for(cfg)
+        self.preset, self.dp_size, self._move_traces = preset, preset.dp_size, weight_moves.TRACES
+        self._dp = dp = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
+        self._multi = jax.process_count() > 1  # host inputs become global arrays (every process passes the same)
+        if preset.engine_expert_parallel:
+            preset.validate_engine()
+            self.ep_spec = mesh_step.ep_spec(preset, mesh)
+            self.placement = identity_placement(cfg.num_hidden_layers, cfg.n_routed_experts, preset.ep_size,
+                                                preset.eplb.redundant_slots_per_rank)
+            params = weight_moves.physical_params(params, self.placement)
+        param_sh = sh.param_shardings(params, mesh, preset)
+        self.params = sh.shard_params(params, mesh, preset)
+        self.cache = jax.jit(functools.partial(mesh_step.stacked_cache, cfg, cache_cfg, self.dp_size),
+                             out_shardings=dp)()
+        self.last_ids = jax.jit(lambda: jnp.zeros((self.dp_size, cache_cfg.max_requests), jnp.int32),
+                                out_shardings=dp)()
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        if self.placement is None:
+            self.manual_axes = mesh_step.manual_axes(preset, param_sh)
+        else:
+            self.manual_axes = tuple(mesh.axis_names)
+            self.tables = self._device_tables(self.placement)
+        flat, treedef = jax.tree_util.tree_flatten(param_sh)
+        self._forward_fn, self._sample_fn = mesh_step.programs(cfg, cache_cfg, mesh, preset.dp_axes, self.manual_axes,
+                                                               self.ep_spec, tuple(x.spec for x in flat), treedef)
+
     @property
     def traces(self) -> int:
-        """How many times the step has been traced (compiled) in this process."""
-        return _TRACES[0]
+        """How many times a step, sampling or weight-move program has been traced (compiled) in this process."""
+        return step_programs.TRACES[0] + (self._move_traces[0] if self._move_traces is not None else 0)
+
+    def _one_device(self, what: str) -> None:
+        if self.mesh is not None:
+            raise ValueError(f"{what}: not supported over a device mesh yet (one device only)")
+
+    # -- EPLB (over a mesh with the EP MoE) ------------------------------------------------------
+    def _device_tables(self, placement) -> dict:
+        """Every layer's routing tables [L, ...] int32, replicated on the mesh (the EP step's argument)."""
+        from deepinfer_jax import sharding as sh
+        from deepinfer_jax.parallel.ep_moe import TABLES
+
+        host = {k: np.ascontiguousarray(getattr(placement, k), np.int32) for k in TABLES}
+        return sh.place(host, {k: self._replicated for k in host})
+
+    def set_placement(self, new) -> None:
+        """Move the experts' weights to ``new`` (between steps; the steps already dispatched keep the old ones) and
+        route by its tables from the next step on. ValueError for a placement of another geometry."""
+        from deepinfer_jax.parallel import weight_moves
+
+        old = self.placement
+        if old is None:
+            raise ValueError("set_placement: this runner has no EP MoE (one device, ep_size 1 or eplb.enabled = false)")
+        if (new.n_layers, new.n_slots, new.n_ranks, new.n_experts) != (old.n_layers, old.n_slots, old.n_ranks,
+                                                                       old.n_experts):
+            raise ValueError(f"set_placement: {new.n_layers} layers x {new.n_slots} slots over {new.n_ranks} ranks, "
+                             f"the runner has {old.n_layers} x {old.n_slots} over {old.n_ranks}")
+        self.params = weight_moves.move_params(self.params, old, new, self.mesh, self.ep_spec.config.ep_axis)
+        self.tables, self.placement = self._device_tables(new), new
+
+    def slot_counts(self, fwd: Forward) -> np.ndarray | None:
+        """[L, P] int64 pairs per physical slot of a dispatched EP step (waits for it), None without EP."""
+        if fwd.slot_counts is None:
+            return None
+        from deepinfer_jax import sharding as sh
+
+        return np.asarray(sh.gather_to_host(fwd.slot_counts), np.int64)
+
+    def every_rank(self):
+        """This runner as the cost-model profiling sees a runner (``engine.profiling``): one chunk list, run by every
+        DP rank at once (rank-local slots and blocks), since a DP step lasts as long as its slowest rank."""
+        return self if self.mesh is None else _EveryRank(self)
 
     def precompile(self, sampling: bool = False, progress=None) -> None:
         """Compile every bucket with all-padding inputs (they write nothing): the logits step, or
-        with ``sampling`` the engine's sampling step. ``progress(i, total)`` is called per bucket."""
+        with ``sampling`` the engine's sampling step (over a mesh always the engine's step, and the
+        weight move of a rebalance). ``progress(i, total)`` is called per bucket."""
         shapes = self.buckets.shapes()
-        if sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
+        if self.mesh is not None:
+            if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
+                self.set_placement(self.placement)
+            sampling = True
+        elif sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
             self.restore_swa(0, self.snapshot_swa(0), [], 0)
             self.restore_swa(0, None, [], 0)
             self.block_payloads(self.read_blocks([0]))
@@ -218,7 +304,7 @@ class ModelRunner:
         for i, (n, r, b, *d) in enumerate(shapes):
             self.bucket_use.compiled.add((n, r, b))
             if sampling:
-                self._launch([], n, r, b, *d).result()
+                self._launch([[]] * self.dp_size, n, r, b, *d).result()
             else:
                 self._run(self._inputs([], n, r, b))
             if progress is not None:
@@ -227,6 +313,7 @@ class ModelRunner:
     def snapshot_swa(self, slot: int):
         """Dispatch a copy of ``slot``'s SWA rings (all layers) as they are after the launched steps;
         returns device arrays at once (``to_host`` fetches them)."""
+        self._one_device("snapshot_swa")
         return self._snapshot_fn(self.cache, np.int32(slot))
 
     @staticmethod
@@ -248,6 +335,7 @@ class ModelRunner:
         """Put a saved ring (from ``snapshot_swa``, on device or host) into ``slot`` before its next step,
         with the Engram look-back (the token ids just before ``position``, the restored length);
         ``snapshot=None`` sets only the look-back (a bounded replay rebuilds the window)."""
+        self._one_device("restore_swa")
         pos, ids = self._engram_ids(engram_ids, position)
         if snapshot is None:
             self.cache = self._set_engram_fn(self.cache, np.int32(slot), pos, ids)
@@ -259,6 +347,7 @@ class ModelRunner:
         look-back) after the launched steps: with the block KV it is the exact state at any position,
         not only at a block boundary (a handoff between engines, ``cluster.handoff``). Returns a
         ``name -> device array`` dict (``to_host`` fetches it)."""
+        self._one_device("snapshot_slot")
         flat, _ = jax.tree_util.tree_flatten_with_path(self._slot_state_fn(self.cache, np.int32(slot)))
         return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
 
@@ -270,6 +359,7 @@ class ModelRunner:
 
     def restore_slot(self, slot: int, state: dict[str, np.ndarray]) -> None:
         """Put a ``snapshot_slot`` copy (host or device arrays, by name) into ``slot`` before its next step."""
+        self._one_device("restore_slot")
         shapes = jax.eval_shape(_slot_state, self.cache, np.int32(0))
         flat, tree = jax.tree_util.tree_flatten_with_path(shapes)
         leaves = [state[jax.tree_util.keystr(path)] for path, _ in flat]
@@ -284,6 +374,7 @@ class ModelRunner:
     def read_blocks(self, block_ids: Sequence[int]):
         """Dispatch a copy of the blocks' stored rows (after the launched steps): device arrays,
         to pass to ``block_payloads`` later."""
+        self._one_device("read_blocks")
         return len(block_ids), [self._read_blocks_fn(self.cache, ids) for ids in self._io_ids(block_ids, 0)]
 
     def block_payloads(self, read) -> list[dict[str, np.ndarray]]:
@@ -297,6 +388,7 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[dict[str, np.ndarray]]) -> None:
         """Put stored rows (payloads from a block store) into device blocks before the next step."""
+        self._one_device("write_blocks")
         k = self.cache_cfg.max_blocks_per_request
         for g, ids in enumerate(self._io_ids(block_ids, self.cache_cfg.num_blocks)):
             part = list(payloads[g * k : (g + 1) * k])
@@ -304,37 +396,60 @@ class ModelRunner:
             rows = [np.stack([p[name] for p in part]) for name in self._global_names]
             self.cache = self._write_blocks_fn(self.cache, ids, jax.tree_util.tree_unflatten(self._global_def, rows))
 
-    def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
-        """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``)."""
-        n, r, b = self._validate(chunks)
-        n, b = self.bucket_use.choose(n, r, b)
-        return self._launch(chunks, n, r, b)
+    def launch(self, chunks) -> PendingStep:
+        """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``); ``result()``
+        lists the chunks rank by rank."""
+        return self.sample(self.forward(chunks))
 
-    def forward(self, chunks: Sequence[ChunkSpec]) -> Forward:
+    def forward(self, chunks) -> Forward:
         """Validate and dispatch the model step alone; ``sample`` then dispatches its sampling. Between
-        the two the device runs the step while the host computes token masks (structured output)."""
-        n, r, b = self._validate(chunks)
-        n, b = self.bucket_use.choose(n, r, b)
-        return self._forward(chunks, n, r, b)
+        the two the device runs the step while the host computes token masks (structured output).
+        ``chunks``: one device: the step's chunk list; over a mesh: one list per DP rank (empty = the rank
+        idles). ``StepInputError`` names the rank and chunk that cannot run."""
+        by_rank = self._by_rank(chunks)
+        if self.mesh is None:
+            n, r, b = self._validate(by_rank[0])
+            n, b = self.bucket_use.choose(n, r, b)
+        else:
+            n, r, b = pick_shape(self.buckets, by_rank)
+            for d, cs in enumerate(by_rank):
+                try:
+                    check_chunks(cs, self.cfg, self.cache_cfg)
+                except StepInputError as e:
+                    raise StepInputError(f"rank {d}: {e}") from None
+        return self._forward(by_rank, n, r, b)
+
+    def sample_rows(self, chunks) -> tuple[int, list[int]]:
+        """(rows of the step's sampling program, each chunk's row in it, rank by rank) before ``forward``: the
+        shape of a structured-output mask for these chunks."""
+        by_rank = self._by_rank(chunks)
+        _, r, _ = pick_shape(self.buckets, by_rank)
+        return self.dp_size * r, [d * r + k for d, cs in enumerate(by_rank) for k in range(len(cs))]
 
     def sample(self, fwd: Forward, mask: np.ndarray | None = None) -> PendingStep:
-        """Dispatch the sampling of a ``forward`` step: ``mask`` [rows, mask_words] (i32, packed, rows =
-        the step's request bucket, see ``Forward.rows``) limits each row's tokens; None = no limit."""
+        """Dispatch the sampling of a ``forward`` step: ``mask`` [fwd.rows, mask_words] (i32, packed; row
+        ``fwd.chunk_rows[i]`` is chunk i's, see ``Forward``) limits each row's tokens; None = no limit."""
         if mask is None:
             if fwd.rows not in self._no_mask:
-                self._no_mask[fwd.rows] = jnp.full((fwd.rows, self.mask_words), -1, jnp.int32)
+                self._no_mask[fwd.rows] = self._all_ones((fwd.rows, self.mask_words))
             mask, has = self._no_mask[fwd.rows], np.False_
         else:
             if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
                 raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
                                      f"{mask.dtype} {mask.shape}")
             has = np.True_
-        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, mask, has, fwd.sampling,
-                                             self.last_ids, fwd.sample_slot)
-        return PendingStep(out, fwd.chunks)
+            if self.mesh is not None:  # laid out as the all-ones mask: no retrace
+                mask = self._global(mask, self._replicated, always=True)
+        sampling, sample_slot = fwd.sampling, fwd.sample_slot
+        if self.mesh is not None:
+            has, sampling, sample_slot = self._global((has, sampling, sample_slot), self._replicated)
+        out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, mask, has, sampling,
+                                             self.last_ids, sample_slot)
+        return PendingStep(out, fwd.chunks, fwd.chunk_rows)
 
     def execute(self, chunks: Sequence[ChunkSpec]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32)."""
+        self._one_device("execute")
         n, r, b = self._validate(chunks)
         inputs = self._inputs(chunks, n, r, b)
         if self.decoder_replay:  # wanted rows must lie in each chunk's decoder tail
@@ -348,19 +463,62 @@ class ModelRunner:
         return out
 
     # -- internals ---------------------------------------------------------------------------
-    def _launch(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int, d: int | None = None) -> PendingStep:
-        return self.sample(self._forward(chunks, n, r, b, d))
+    def _by_rank(self, chunks) -> list[list[ChunkSpec]]:
+        """The step's chunks as one list per rank (one device: the list itself is rank 0's)."""
+        if self.mesh is None:
+            return [list(chunks)]
+        if len(chunks) != self.dp_size or any(isinstance(c, ChunkSpec) for c in chunks):
+            raise StepInputError(f"chunks_by_rank: one chunk list per DP rank ({self.dp_size}), got {len(chunks)}")
+        if not any(chunks):
+            raise StepInputError("a step needs at least one chunk")
+        return [list(cs) for cs in chunks]
 
-    def _forward(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int, d: int | None = None) -> Forward:
-        inputs = self._inputs(chunks, n, r, b)
-        rows = logit_rows(chunks, inputs, r)  # one logit row per request row: its chunk's last token
-        if self.decoder_replay:
-            inputs, rows = self._decoder_rows(chunks, inputs, rows, d)
-        feed, sampling, sample_slot = sampling_batch(chunks, inputs, n, r, self.cache_cfg.max_requests)
-        logits, self.cache = self._forward_fn(self._ptree, self._pleaves, self.cfg, self.cache_cfg, self.cache,
-                                              self.last_ids, feed,
-                                              inputs._replace(logit_rows=rows))
-        return Forward(logits, sampling, sample_slot, list(chunks), r)
+    def _all_ones(self, shape) -> jax.Array:
+        if self.mesh is None:
+            return jnp.full(shape, -1, jnp.int32)
+        return jax.jit(lambda: jnp.full(shape, -1, jnp.int32), out_shardings=self._replicated)()
+
+    def _global(self, host, sharding, always: bool = False):
+        """Host inputs as global arrays when several processes run the mesh (each passes the same)."""
+        if not (always or self._multi):
+            return host
+        from deepinfer_jax.parallel.mesh import put_global
+
+        return put_global(host, sharding)
+
+    def _launch(self, chunks_by_rank, n: int, r: int, b: int, d: int | None = None) -> PendingStep:
+        return self.sample(self._forward(chunks_by_rank, n, r, b, d))
+
+    def _forward(self, chunks_by_rank, n: int, r: int, b: int, d: int | None = None) -> Forward:
+        """Every rank's inputs padded to one shape; one device runs its rank's directly, a mesh stacks them."""
+        slots, dp = self.cache_cfg.max_requests, self.dp_size
+        inputs, feeds, samplings, sample_slots = [], [], [], []
+        for rank, chunks in enumerate(chunks_by_rank):
+            inp = build_inputs(chunks, n, r, b, slots)
+            rows = logit_rows(chunks, inp, r)  # one logit row per request row: its chunk's last token
+            if self.decoder_replay:
+                inp, rows = self._decoder_rows(chunks, inp, rows, d)
+            feed, sampling, sample_slot = sampling_batch(chunks, inp, n, r, slots)
+            inputs.append(inp._replace(logit_rows=rows))
+            feeds.append(feed)
+            samplings.append(sampling)
+            sample_slots.append(np.where(sample_slot < slots, sample_slot + rank * slots, dp * slots))
+        chunks = [c for cs in chunks_by_rank for c in cs]
+        chunk_rows = [rank * r + k for rank, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
+        sampling = samplings[0] if dp == 1 else jax.tree.map(lambda *a: np.concatenate(a), *samplings)
+        sample_slot = np.concatenate(sample_slots).astype(np.int32)
+        counts = None
+        if self.mesh is None:
+            logits, self.cache = self._forward_fn(self._ptree, self._pleaves, self.cfg, self.cache_cfg, self.cache,
+                                                  self.last_ids, feeds[0], inputs[0])
+        else:
+            stacked, feed = self._global((jax.tree.map(lambda *a: np.stack(a), *inputs), np.stack(feeds)), self._dp)
+            if self.placement is None:
+                logits, self.cache = self._forward_fn(self.params, self.cache, self.last_ids, feed, stacked)
+            else:
+                logits, self.cache, counts = self._forward_fn(self.params, self.tables, self.cache, self.last_ids,
+                                                              feed, stacked)
+        return Forward(logits, sampling, sample_slot, chunks, dp * r, chunk_rows, counts, self.placement)
 
     def _decoder_rows(self, chunks, inputs: StepInputs, rows: np.ndarray, d: int | None):
         """The tokens that run the decoder (each chunk's tail from ``decoder_from``), padded to a bucket,
@@ -389,3 +547,13 @@ class ModelRunner:
 
     def _inputs(self, chunks: Sequence[ChunkSpec], n: int, r: int, b: int) -> StepInputs:
         return build_inputs(chunks, n, r, b, self.cache_cfg.max_requests)
+
+
+class _EveryRank:
+    """``cache_cfg`` and ``launch(chunks)`` of a runner over a mesh, the chunks given to every rank."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.cache_cfg = runner, runner.cache_cfg
+
+    def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
+        return self.runner.launch([list(chunks)] * self.runner.dp_size)

@@ -31,17 +31,18 @@ from deepinfer_jax.model import speculative as spec_ops
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner.buckets import Buckets
-from deepinfer_jax.runner.model_runner import _TRACES, ModelRunner, _count_trace
+from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inputs, check_chunks, sampling_batch
+from deepinfer_jax.runner.step_programs import TRACES, count_trace
 
 __all__ = ["SpecForward", "SpecPending", "SpecRunner"]
 
 
 def _spec_forward(ptree, pleaves, dtree, dleaves, cfg, cache_cfg, cache, spec, last_ids, inputs, rows):
     """Build the verify rows on the device, run the step with the DSpark capture, keep the features.
-    The target's and the drafter's states come as (treedef, leaves) (see ``model_runner._step_flat``)."""
-    _TRACES[0] += 1
+    The target's and the drafter's states come as (treedef, leaves) (see ``step_programs.logits_step_flat``)."""
+    TRACES[0] += 1
     params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
     full, layout = spec_ops.verify_inputs(inputs, rows, spec, last_ids)
     logits, cache, captured = paged_step(params, cfg, cache_cfg, cache, full,
@@ -53,7 +54,7 @@ def _spec_forward(ptree, pleaves, dtree, dleaves, cfg, cache_cfg, cache, spec, l
 def _spec_sample(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, mask, has_mask, sampling, layout, rows,
                  spec, last_ids, slot_R, draft, want_logprobs):
     """Accept, take the tokens into the slots, draft the next blocks."""
-    _TRACES[0] += 1
+    TRACES[0] += 1
     params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
     out = spec_ops.accept(logits, layout, rows, sampling, spec, slot_R, num_top, heads.ids, mask, has_mask,
                           want_logprobs)
@@ -132,8 +133,8 @@ class SpecRunner(ModelRunner):
         self.spec = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, cfg.sliding_window + cache_cfg.spec_slack,
                                              int(self.heads.ids.shape[0]))
         self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
-        self._spec_forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=_count_trace)
-        self._spec_sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=_count_trace)
+        self._spec_forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=count_trace)
+        self._spec_sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=count_trace)
 
     def logit_rows(self, n: int, r: int) -> int:
         """Logit rows of a (tokens n, requests r) step: at most K + 1 per request row."""

@@ -1,6 +1,6 @@
 """Host chunks -> one padded step batch: the request-chunk specs, their validation and the device inputs.
 
-Shared by ``ModelRunner`` (one cache) and ``DPRunner`` (one cache per attention data-parallel rank,
+Shared by ``ModelRunner`` on one device (one cache) and over a mesh (one cache per attention data-parallel rank,
 every rank's batch padded to one common bucket shape). Host only: numpy arrays out, nothing on the
 device. Padding tokens have ``token_valid = False`` and padding request rows an out-of-range slot,
 so they write nothing (``model.paged``); a rank with no chunks is all padding.
@@ -101,7 +101,7 @@ def check_runner_settings(buckets: Buckets, cache_cfg, num_top_logprobs) -> None
 
 def pick_shape(buckets: Buckets, chunk_lists: Sequence[Sequence[ChunkSpec]]) -> tuple[int, int, int]:
     """The smallest (tokens, requests, blocks) bucket that fits every list of chunks (one list per
-    batch; a ``DPRunner`` step pads every rank to the same shape). ``StepInputError`` names what does not fit."""
+    batch; a step over a mesh pads every rank to the same shape). ``StepInputError`` names what does not fit."""
     lists = [c for c in chunk_lists if c]
     try:
         n = Buckets.pick(buckets.tokens, max(sum(len(c.token_ids) for c in cs) for cs in lists), "tokens in the step")

@@ -69,7 +69,7 @@ def compare(want: list[dict], got: list[dict]) -> dict:
 
 
 def runner_errors(runner) -> dict:
-    """``DPRunner.forward``'s messages for a wrong rank count, a step with no chunk, a bad slot on the last rank
+    """``ModelRunner.forward`` (over a mesh)'s messages for a wrong rank count, a step with no chunk, a bad slot on the last rank
     (all raised before anything is dispatched)."""
     dp, slots = runner.dp_size, runner.cache_cfg.max_requests
     bad_slot = [[] for _ in range(dp)]
