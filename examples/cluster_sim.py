@@ -3,8 +3,9 @@
     python examples/cluster_sim.py          # small cluster (16 prefill + 16 decode ranks), short traces
     python examples/cluster_sim.py --full   # the seed's 64 prefill + 64 decode ranks (minutes)
 
-Prints a markdown table per trace and policy, the 24 h autoscaler replay, and writes PNG plots to
-``--plots`` when matplotlib is installed.
+Prints a markdown table per trace and policy (the traces on the default shape, then at the
+autoscaler's operating point: one decode instance, agent traffic x2.25), the 24 h autoscaler replay,
+and writes PNG plots to ``--plots`` when matplotlib is installed (``pip install .[sim]``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import time
 from deepinfer_jax.cluster.autoscale_replay import default_settings, naive_settings, replay_day
 from deepinfer_jax.cluster.report import day_table, plot_results, sim_table
 from deepinfer_jax.cluster.simulate import POLICIES, ClusterShape, simulate
-from deepinfer_jax.cluster.traces import agent_trace, chat_trace
+from deepinfer_jax.cluster.traces import Trace, agent_trace, chat_trace
+
+
+def _named(trace: Trace, name: str) -> Trace:
+    return Trace(name, trace.requests, trace.duration_s, trace.warm_blocks)
 
 
 def main() -> None:
@@ -25,14 +30,20 @@ def main() -> None:
     ap.add_argument("--plots", default="cluster_sim_plots")
     args = ap.parse_args()
     k = 4 if args.full else 1
-    shape = ClusterShape(prefill_engines=8 * k // (2 if args.full else 1), prefill_ranks=2 * (2 if args.full else 1),
-                         decode_instances=2 * (2 if args.full else 1), decode_ranks=8 * (2 if args.full else 1))
+    # (engines, ranks) prefill, (instances, ranks) decode
+    shape = ClusterShape(16, 4, 4, 16) if args.full else ClusterShape(8, 2, 2, 8)
+    # the autoscaler's operating point: prefill near its 0.7 target, decode at production occupancy
+    op_shape = ClusterShape(16, 4, 1, 16) if args.full else ClusterShape(8, 2, 1, 8)
     t0 = time.time()
-    traces = [chat_trace(120.0 * k, 30.0, seed=args.seed), agent_trace(4.0 * k, 30.0, seed=args.seed, gap_s=3.0)]
-    print(f"traces: {', '.join(f'{t.name} {len(t.requests)} requests' for t in traces)} ({time.time() - t0:.1f} s)")
-    print(f"cluster: {shape.prefill_engines} prefill engines x {shape.prefill_ranks} ranks, "
-          f"{shape.decode_instances} decode instances x {shape.decode_ranks} ranks")
-    results = [simulate(t, p, shape, seed=args.seed) for t in traces for p in POLICIES]
+    chat, agent = chat_trace(120.0 * k, 30.0, seed=args.seed), agent_trace(4.0 * k, 30.0, seed=args.seed, gap_s=3.0)
+    busy_agent = agent_trace(9.0 * k, 30.0, seed=args.seed, gap_s=3.0)
+    runs = [(chat, shape), (agent, shape), (_named(chat, "chat, op. point"), op_shape),
+            (_named(busy_agent, "agent x2.25, op. point"), op_shape)]
+    print(f"traces: {', '.join(f'{t.name} {len(t.requests)} requests' for t, _ in runs)} ({time.time() - t0:.1f} s)")
+    for s in (shape, op_shape):
+        print(f"cluster: {s.prefill_engines} prefill engines x {s.prefill_ranks} ranks, "
+              f"{s.decode_instances} decode instances x {s.decode_ranks} ranks")
+    results = [simulate(t, p, s, seed=args.seed) for t, s in runs for p in POLICIES]
     print(sim_table(results))
     pc, dc = 4 * 80_000.0, 16 * 64.0
     days = [replay_day(default_settings(pc, dc), seed=args.seed, name="policy"),
@@ -40,7 +51,7 @@ def main() -> None:
             replay_day(None, seed=args.seed, static=(19, 18), name="static at peak")]
     print()
     print(day_table(days))
-    for path in plot_results(results, args.plots):
+    for path in plot_results(results, args.plots, days):
         print(f"wrote {path}")
     print(f"({time.time() - t0:.1f} s)")
 

@@ -207,6 +207,19 @@ def test_autoscaler_rule_up_down_bounds_and_guards():
     assert decide(0.0, RoleState(3), ROLE, 10_000.0, 10_000.0, 1.0)[0] == 4  # max_step_up
 
 
+def test_autoscaler_burst_hold():
+    # load 160 needs 5 of 2 instances; a jump over the sustained median (x1.15) that the current
+    # capacity carries below burst_utilization (80% of 2 x 100 = 160) is held: the spare quota absorbs it
+    assert decide(0.0, RoleState(2), ROLE, 160.0, 160.0, 160.0, load_sustained=100.0) == \
+        (0, "scale-up held: a burst the spare quota carries")
+    assert decide(0.0, RoleState(2), ROLE, 161.0, 161.0, 161.0, load_sustained=100.0)[0] == 3  # above 80%: up now
+    assert decide(0.0, RoleState(2), ROLE, 160.0, 160.0, 160.0, load_sustained=150.0)[0] == 3  # a ramp, not a burst
+    with pytest.raises(PolicyInputError, match="burst_jump"):
+        RoleSettings(1.0, burst_jump=0.5)
+    with pytest.raises(PolicyInputError, match="load_sustained"):
+        decide(0.0, RoleState(2), ROLE, 1.0, 1.0, 1.0, load_sustained=-1.0)
+
+
 def test_autoscaler_settings_errors_name_the_field():
     for kwargs, field in (({"capacity": 0.0}, "capacity"), ({"capacity": 1.0, "target_utilization": 1.5},
                           "target_utilization"), ({"capacity": 1.0, "min_instances": 5, "max_instances": 2},

@@ -93,3 +93,37 @@ def test_autoscaler_day_without_oscillations():
     static = replay_day(None, seed=0, bursts=0, static=ours.prefill_range[1:] + ours.decode_range[1:])
     assert ours.instance_hours < static.instance_hours
     assert "oscillations" in day_table([ours, naive, static])
+
+
+def test_balance_readings_and_the_decode_bound(chat):
+    r = simulate(chat, "deepinfer", SHAPE)
+    # no placement beats the largest running request: the bound is <= what any policy reaches
+    for p in ("deepinfer", "round_robin"):
+        x = simulate(chat, p, SHAPE) if p != "deepinfer" else r
+        assert 1.0 <= x.decode_bound <= x.decode_balance
+        assert x.prefill_window_balance >= 1.0 and x.decode_step_balance >= 1.0
+    # fewer decode ranks at the same traffic: more requests per rank, closer to the bound
+    busy = simulate(chat, "deepinfer", ClusterShape(8, 2, 1, 4))
+    assert busy.decode_rows > 2 * r.decode_rows
+    assert busy.decode_balance < r.decode_balance
+    with pytest.raises(PolicyInputError, match="window_s"):
+        ClusterShape(window_s=0.0)
+
+
+def test_autoscaler_day_with_bursts_no_oscillation():
+    caps = (4 * 80_000.0, 16 * 64.0)
+    ours = replay_day(default_settings(*caps), seed=0)  # 4 bursts of x1.3-1.6 for 5-20 min
+    assert ours.oscillations == 0, ours
+    assert ours.prefill_overload_s == 0 and ours.decode_overload_s == 0
+    assert ours.timeline[0][0] == 0.0 and ours.timeline[-1][0] == 24 * 3600.0
+    assert max(p for _, p, _ in ours.timeline) == ours.prefill_range[1]
+
+
+def test_plots_without_matplotlib_say_so(monkeypatch, capsys, tmp_path, chat):
+    import sys
+
+    from deepinfer_jax.cluster.report import plot_results
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert plot_results([simulate(chat, "random", SHAPE)], tmp_path) == []
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())

@@ -17,7 +17,7 @@ opposite directions less than ``oscillation_window_s`` apart (``autoscaler.count
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -46,7 +46,8 @@ def naive_settings(prefill_capacity: float, decode_capacity: float) -> Autoscale
     def role(cap):
         return RoleSettings(cap, min_instances=1, max_instances=64, margin_instances=0, margin_fraction=0.0,
                             max_step_up=64, max_step_down=64, down_hysteresis=0, up_cooldown_s=0.0, down_after_up_s=0.0,
-                            down_after_down_s=0.0, up_window_s=0.0, down_window_s=0.0, no_scale_down_above=1.0)
+                            down_after_down_s=0.0, up_window_s=0.0, down_window_s=0.0, no_scale_down_above=1.0,
+                            sustain_window_s=0.0)
     return AutoscalerSettings(role(prefill_capacity), role(decode_capacity), ready_pool=0)
 
 
@@ -61,6 +62,7 @@ class DayResult:
     decode_overload_s: float    # time running requests exceeded the active decode capacity
     prefill_range: tuple
     decode_range: tuple
+    timeline: list = field(default_factory=list, repr=False, compare=False)  # (t, prefill, decode) per change
 
 
 def replay_day(settings: AutoscalerSettings | None, seed: int = 0, mean_rate: float = 600.0, hours: float = 24.0,
@@ -90,6 +92,7 @@ def replay_day(settings: AutoscalerSettings | None, seed: int = 0, mean_rate: fl
     backlog, running = 0.0, run0
     hours_used = pool_hours = p_over = d_over = 0.0
     lo_hi = {"prefill": [n_p, n_p], "decode": [n_d, n_d]}
+    timeline = [(0.0, n_p, n_d)]
     t = 0.0
     while t < span:
         arrivals = int(rng.poisson(diurnal_rate(t, mean_rate, bursts=burst_list) * tick_s))
@@ -125,6 +128,8 @@ def replay_day(settings: AutoscalerSettings | None, seed: int = 0, mean_rate: fl
                     if role == "decode":
                         draining.append((t + grace_s, role))
                 lo_hi[role] = [min(lo_hi[role][0], active[role]), max(lo_hi[role][1], active[role])]
+        if (active["prefill"], active["decode"]) != timeline[-1][1:]:
+            timeline.append((t, active["prefill"], active["decode"]))
         hours_used += (active["prefill"] + active["decode"] + len(booting) + len(draining)) * tick_s / 3600.0
         pool_hours += (pool_ready + len(pool_refill)) * tick_s / 3600.0
         t += tick_s
@@ -132,4 +137,4 @@ def replay_day(settings: AutoscalerSettings | None, seed: int = 0, mean_rate: fl
     osc = sum(count_oscillations(hist, oscillation_window_s, r) for r in ("prefill", "decode"))
     events = sum(1 for d in hist for r in ("prefill", "decode") if getattr(d, r))
     return DayResult(name, hours_used, pool_hours, osc, events, p_over, d_over, tuple(lo_hi["prefill"]),
-                     tuple(lo_hi["decode"]))
+                     tuple(lo_hi["decode"]), timeline + [(span, active["prefill"], active["decode"])])

@@ -57,6 +57,9 @@ class RoleSettings:
     down_window_s: float = 1800.0
     no_scale_down_above: float = 0.8
     down_hysteresis: int = 1
+    sustain_window_s: float = 2700.0
+    burst_utilization: float = 0.8
+    burst_jump: float = 1.15
 
     def __post_init__(self) -> None:
         check_number("capacity", self.capacity, 0.0, strict=True)
@@ -67,10 +70,13 @@ class RoleSettings:
         check_number("margin_fraction", self.margin_fraction, 0.0)
         check_int("max_step_up", self.max_step_up, 1)
         check_int("max_step_down", self.max_step_down, 1)
-        for name in ("up_cooldown_s", "down_after_up_s", "down_after_down_s", "up_window_s", "down_window_s"):
+        for name in ("up_cooldown_s", "down_after_up_s", "down_after_down_s", "up_window_s", "down_window_s",
+                     "sustain_window_s"):
             check_number(name, getattr(self, name), 0.0)
         check_number("no_scale_down_above", self.no_scale_down_above, 0.0, 1.0, strict=True)
         check_int("down_hysteresis", self.down_hysteresis, 0)
+        check_number("burst_utilization", self.burst_utilization, 0.0, strict=True)
+        check_number("burst_jump", self.burst_jump, 1.0)
 
 
 @dataclass(frozen=True)
@@ -126,12 +132,15 @@ def desired_instances(load: float, s: RoleSettings) -> tuple[int, int]:
     return needed, min(s.max_instances, max(s.min_instances, needed + margin))
 
 
-def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_down: float, load_now: float
-           ) -> tuple[int, str]:
-    """The change (instances, signed) for one role and why; the rule of the module docstring."""
+def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_down: float, load_now: float,
+           load_sustained: float | None = None) -> tuple[int, str]:
+    """The change (instances, signed) for one role and why; the rule of the module docstring.
+    ``load_sustained``: the median over ``sustain_window_s`` (``None``: no burst hold)."""
     check_int("current", state.current, 0)
     for name, v in (("load_up", load_up), ("load_down", load_down), ("load_now", load_now)):
         check_number(name, v)
+    if load_sustained is not None:
+        check_number("load_sustained", load_sustained)
     n = state.current
     if n < s.min_instances:
         return s.min_instances - n, "below min_instances"
@@ -139,6 +148,9 @@ def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_d
         return s.max_instances - n, "above max_instances"
     _, want_up = desired_instances(load_up, s)
     if want_up > n:
+        if (load_sustained is not None and load_up > s.burst_jump * load_sustained
+                and load_up <= s.burst_utilization * n * s.capacity):
+            return 0, "scale-up held: a burst the spare quota carries"
         if now - state.last_up < s.up_cooldown_s:
             return 0, "scale-up held: up_cooldown_s"
         return min(want_up - n, s.max_step_up), f"load {load_up:.4g} needs {want_up}"
@@ -176,6 +188,11 @@ class _Window:
     def peak(self, t: float, span: float) -> float:
         return max(v for (u, v) in self.items if u >= t - span)
 
+    def median(self, t: float, span: float) -> float:
+        vals = sorted(v for (u, v) in self.items if u >= t - span)
+        mid = len(vals) // 2
+        return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
 
 @dataclass
 class Autoscaler:
@@ -206,9 +223,10 @@ class Autoscaler:
         for role, load in (("prefill", signals.uncached_tokens_per_s), ("decode", signals.running_requests)):
             s: RoleSettings = getattr(self.settings, role)
             w = self._windows[role]
-            w.push(now, load, max(s.up_window_s, s.down_window_s))
+            w.push(now, load, max(s.up_window_s, s.down_window_s, s.sustain_window_s))
             state: RoleState = getattr(self, role)
-            delta, why = decide(now, state, s, w.mean(now, s.up_window_s), w.peak(now, s.down_window_s), load)
+            delta, why = decide(now, state, s, w.mean(now, s.up_window_s), w.peak(now, s.down_window_s), load,
+                                w.median(now, s.sustain_window_s))
             if delta > 0:
                 state = replace(state, current=state.current + delta, last_up=now)
             elif delta < 0:

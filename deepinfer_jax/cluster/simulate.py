@@ -61,11 +61,12 @@ class ClusterShape:
     round_s: float = 5.0
     sample_s: float = 0.25
     decode_refresh_s: float = 0.5
+    window_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_engines", "prefill_ranks", "decode_instances", "decode_ranks"):
             check_int(name, getattr(self, name), 1)
-        for name in ("step_budget_ns", "round_s", "sample_s", "decode_refresh_s"):
+        for name in ("step_budget_ns", "round_s", "sample_s", "decode_refresh_s", "window_s"):
             check_number(name, getattr(self, name), 0.0, strict=True)
 
 
@@ -84,6 +85,9 @@ class SimResult:
     measured: int
     prefill_util: float    # quota arrived / prefill capacity over the measured window
     decode_rows: float     # mean running requests per decode rank
+    prefill_window_balance: float  # max/mean over all prefill ranks of the quota each ran per window_s
+    decode_bound: float    # the least decode max/mean any placement could reach (largest request / mean)
+    decode_step_balance: float     # max/mean of the whole rank step cost d1 * rows + d2 * kv
 
 
 class _Job:
@@ -107,7 +111,6 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     dm = decode_model or DecodeStepModel()
     tps = dm.tokens_per_step
     warm = trace.duration_s * 0.2 if warmup_s is None else warmup_s
-    warm_at = [warm]
     rng = random.Random(seed)
     index = PrefixIndex(set(trace.warm_blocks))
     E, R, D, DR = shape.prefill_engines, shape.prefill_ranks, shape.decode_instances, shape.decode_ranks
@@ -142,6 +145,10 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     rows_samples: list = []
     measured = finished = 0
     t_end = trace.duration_s
+    n_windows = max(int((t_end - warm) / shape.window_s), 1)
+    windows = [[0.0] * (E * R) for _ in range(n_windows)]
+    samples_bound: list = []
+    samples_step: list = []
 
     def kv_of(i, r):
         return base[i][r] + rows[i][r] * progress[i] * tps
@@ -209,8 +216,13 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
                 if left <= 0 or job.q > 0:
                     break
         stepping[e] = True
-        if now >= warm_at[0]:
+        if warm <= now < t_end:
             samples_p.append((max(cost), sum(cost) / R))
+            w = int((now - warm) / shape.window_s)
+            if w < n_windows:
+                row = windows[w]
+                for r in range(R):
+                    row[e * R + r] += cost[r]
         push(now + (a0 + max(cost)) / 1e9, "pstep", (e, done))
 
     def admit_decode(req, now):
@@ -289,7 +301,13 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
                 for i in range(D):
                     advance(i, now)
                 att = [dm.attention_ns(kv_of(i, r)) for i in range(D) for r in range(DR)]
-                samples_d.append((max(att), sum(att) / len(att)))
+                mean = sum(att) / len(att)
+                samples_d.append((max(att), mean))
+                biggest = max((req.num_tokens + (progress[i] - join) * tps for i in range(D)
+                               for (_, _, _, join, req, _) in running[i]), default=0.0)
+                samples_bound.append((max(dm.attention_ns(biggest), mean), mean))
+                cost = [dm.rank_ns(rows[i][r], kv_of(i, r)) for i in range(D) for r in range(DR)]
+                samples_step.append((max(cost), sum(cost) / len(cost)))
                 rows_samples.append(sum(map(sum, rows)) / (D * DR))
         elif kind == "round":
             balancer.end_round([sum(b) for b in backlog])
@@ -307,4 +325,5 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         {BUCKET_NAMES[b]: (pct(ttft[b], 50), pct(ttft[b], 99), len(ttft[b])) for b in range(4)},
         (pct(tpot, 50), pct(tpot, 99)), ratio(samples_p), ratio(samples_d), out_tokens / span, in_tokens / span,
         hit_tokens / in_tokens if in_tokens else 0.0, finished, measured, quota_in / (E * R * span * 1e9),
-        sum(rows_samples) / max(len(rows_samples), 1))
+        sum(rows_samples) / max(len(rows_samples), 1),
+        ratio([(max(w), sum(w) / len(w)) for w in windows]), ratio(samples_bound), ratio(samples_step))
