@@ -34,13 +34,15 @@ def main() -> None:
     shape = ClusterShape(16, 4, 4, 16) if args.full else ClusterShape(8, 2, 2, 8)
     # the autoscaler's operating point: prefill near its 0.7 target, decode at production occupancy
     op_shape = ClusterShape(16, 4, 1, 16) if args.full else ClusterShape(8, 2, 1, 8)
+    # (one 16-rank instance would hold ~570 agent requests per rank at --full: overloaded; two)
+    op_agent = ClusterShape(16, 4, 2, 16) if args.full else op_shape
     t0 = time.time()
     chat, agent = chat_trace(120.0 * k, 30.0, seed=args.seed), agent_trace(4.0 * k, 30.0, seed=args.seed, gap_s=3.0)
     busy_agent = agent_trace(9.0 * k, 30.0, seed=args.seed, gap_s=3.0)
     runs = [(chat, shape), (agent, shape), (_named(chat, "chat, op. point"), op_shape),
-            (_named(busy_agent, "agent x2.25, op. point"), op_shape)]
+            (_named(busy_agent, "agent x2.25, op. point"), op_agent)]
     print(f"traces: {', '.join(f'{t.name} {len(t.requests)} requests' for t, _ in runs)} ({time.time() - t0:.1f} s)")
-    for s in (shape, op_shape):
+    for s in dict.fromkeys((shape, op_shape, op_agent)):
         print(f"cluster: {s.prefill_engines} prefill engines x {s.prefill_ranks} ranks, "
               f"{s.decode_instances} decode instances x {s.decode_ranks} ranks")
     results = [simulate(t, p, s, seed=args.seed) for t, s in runs for p in POLICIES]

@@ -11,6 +11,10 @@ instance's capacity ``cap`` (tokens/s, or running requests it sustains):
 * **Scale up** when ``current < desired(load_up)`` (``load_up``: the mean over the last
   ``up_window_s``), by at most ``max_step_up``, no sooner than ``up_cooldown_s`` after the last
   scale-up. Instances come from the ready pool at once, else cold-start (the caller's business).
+  **Bursts ride on the spare quota**: a scale-up is held while ``load_up`` is a jump (more than
+  ``burst_jump`` times the median over ``sustain_window_s``, 45 min: a level short bursts do not
+  move) that the current instances still carry at or below ``burst_utilization`` (80%, the
+  quota line); a ramp (the median follows) or a burst beyond 80% scales up at once.
 * **Scale down** when ``current > desired(load_down)`` (``load_down``: the *peak* over the last
   ``down_window_s``) plus ``down_hysteresis`` instances, to that count, by at most ``max_step_down``, no sooner than ``down_after_up_s`` after the last
   scale-up and ``down_after_down_s`` after the last scale-down; never while quota use

@@ -18,11 +18,15 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
   ``round_robin``, ``request_count`` (vLLM-router style: fewest outstanding requests) and
   ``random``, each over all ranks, flat.
 
-Balance, as ``sum of the max / sum of the mean`` over samples in the measured window (a ratio of
-averages, so idle moments never divide by zero): prefill, every lockstep step of every engine is a
-sample of its ranks' compute quota in that step (the step lasts as long as the slowest rank, the
-others pad: the ``moe_lb`` of engine.md §3 for attention ranks); decode, every ``sample_s`` the
-attention cost ``d2 * kv`` of every rank of every instance. Deterministic for a given trace, shape and seed.
+Balance readings, each ``sum of the max / sum of the mean`` over samples in the measured window (a
+ratio of averages, so idle moments never divide by zero; docs/cluster.md): ``prefill_balance``,
+every lockstep step of every engine, its ranks' chunk costs (the step lasts as long as the slowest
+rank, the others pad: the ``moe_lb`` reading of engine.md §3 for attention ranks);
+``prefill_window_balance``, every ``window_s`` the quota each of all prefill ranks ran;
+``decode_balance``, every ``sample_s`` the attention cost ``d2 * kv`` of every rank of every
+instance, with ``decode_bound`` (the max replaced by ``max(largest running request, mean)``: no
+placement does better) and ``decode_step_balance`` (the whole ``d1 rows + d2 kv``). Deterministic
+for a given trace, shape and seed.
 """
 
 from __future__ import annotations
