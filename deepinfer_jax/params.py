@@ -15,6 +15,7 @@ import numpy as np
 from deepinfer_jax.checkpoint.residency import StoredTensor
 from deepinfer_jax.engram_vocab import default_token_map
 from deepinfer_jax.model import deepseek_v41 as _model
+from deepinfer_jax.model.host_arrays import to_device
 from deepinfer_jax.model.qweight import QWeight, validate
 
 
@@ -51,7 +52,7 @@ def to_device_weights(tree):
     if isinstance(tree, StoredTensor):
         # FP8 bytes travel as uint8: XLA:CPU would otherwise convert the whole f8 array to f16 ahead of any loop
         data = tree.data.view(np.uint8) if tree.kind != "bf16" else tree.data
-        return validate(QWeight(jnp.asarray(data), None if tree.scale is None else jnp.asarray(tree.scale),
+        return validate(QWeight(to_device(data), None if tree.scale is None else to_device(tree.scale),
                                 tree.kind, tree.block, tree.shape))
     if isinstance(tree, Mapping):
         return {k: to_device_weights(v) for k, v in tree.items()}

@@ -10,11 +10,14 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from deepinfer_jax import LLM, SamplingParams, compile_cache
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine.spec_policy import StepTimes
+from deepinfer_jax.model.host_arrays import filled, to_device
 
 # --- the compilation cache -------------------------------------------------------------------
 
@@ -67,6 +70,7 @@ def test_a_second_process_loads_the_program_and_another_shape_does_not(tmp_path)
 
 SETTINGS = dict(max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(8, 32), block_size=16, max_model_len=64,
                 use_tqdm=False, speculation="none")
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 PROMPTS = [{"prompt_token_ids": [0, 5, 9, 11, 20]}, {"prompt_token_ids": [0, 7, 3]}]
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -85,6 +89,35 @@ def test_lazy_engine_compiles_on_first_use_then_never_again(tmp_path):
     assert eager.runner.traces == traces
     ids = lambda outs: [o.outputs[0].token_ids for o in outs]
     assert ids(first) == ids(again) == ids(want)
+
+
+def test_lazy_start_of_the_shipped_model_compiles_one_small_program():
+    """Putting the FP8/FP4 weights, the cache buffers and the speculation state on the device compiles
+    nothing (``model.host_arrays``): with jax 0.10 each ``jnp.asarray`` of a host array was a program of its
+    own, ~70 of them loaded or compiled at every start. Only the drafter's head rows remain."""
+    compiled = []  # XLA compilations, or loads from the persistent cache (JAX times both as this event)
+    listener = lambda event, secs, **kw: compiled.append(kw.get("fun_name")) if event == BACKEND_COMPILE else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, block_size=32, max_model_len=256, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert llm.speculation != "none" and llm.runner.traces == 0
+    assert set(compiled) <= {"jit(_head_rows)"}, compiled  # (none if this process built it already)
+
+
+def test_host_arrays_reach_the_device_with_the_bits_jnp_asarray_gives():
+    rng = np.random.default_rng(0)
+    f64 = rng.standard_normal((33, 7)) * 1e3
+    cases = [(f64, None), (f64, jnp.bfloat16), (f64.astype(np.float32), jnp.bfloat16), (f64, jnp.float32),
+             (rng.integers(-9, 9, (5, 3)), None), (rng.integers(0, 255, (4, 6)).astype(np.uint8), None),
+             (f64.astype(np.float32), "bfloat16")]
+    for x, dtype in cases:
+        want, got = jnp.asarray(x, dtype), to_device(x, dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), (x.dtype, dtype)
+    assert filled((2, 3), jnp.float8_e4m3fn, 0).dtype == jnp.float8_e4m3fn
+    assert np.asarray(filled((4,), jnp.int32, -1)).tolist() == [-1] * 4
 
 
 def test_lazy_cost_model_is_fitted_online_saved_and_reloaded(tmp_path):

@@ -22,6 +22,7 @@ from deepinfer_jax.model.attention import Attention, GlobalState
 from deepinfer_jax.model.engram import Engram, Table
 from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
+from deepinfer_jax.model.host_arrays import to_device
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
 from deepinfer_jax.model.qweight import QWeight
@@ -194,9 +195,9 @@ def params_from_tree(cfg, tree: Mapping, token_map: np.ndarray | None = None,
         if isinstance(arr, QWeight):  # resident in its storage format (decoded inside the matmuls)
             return arr
         if np.issubdtype(np.asarray(arr).dtype, np.integer):
-            return jnp.asarray(arr)
+            return to_device(arr)
         is_fp32 = path.split(".")[-1] in _FP32_LEAVES or path.endswith("attn_sink")
-        return jnp.asarray(arr, jnp.float32 if is_fp32 else dtype)
+        return to_device(arr, jnp.float32 if is_fp32 else dtype)
 
     values = {k: convert(k, v) for k, v in flat_expected.items()}
     nnx.replace_by_pure_dict(state, _unflatten(values))

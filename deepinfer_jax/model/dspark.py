@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from deepinfer_jax.model import mhc
@@ -35,6 +36,7 @@ from deepinfer_jax.model.abstract_cache import abstract_model
 from deepinfer_jax.model.attention import Attention, attend
 from deepinfer_jax.model.deepseek_v41 import HcSites, _flatten, _unflatten, check_tree
 from deepinfer_jax.model.engram import Table
+from deepinfer_jax.model.host_arrays import to_device
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t, take_rows
 from deepinfer_jax.model.moe import MoE
 
@@ -278,10 +280,15 @@ class DraftHeads(NamedTuple):
 
 def draft_heads(drafter: nnx.State, target: nnx.State, cfg, ids=None) -> DraftHeads:
     """``DraftHeads`` for the token ids ``ids`` (None = the whole vocabulary)."""
-    ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+    ids = to_device(np.arange(cfg.vocab_size) if ids is None else ids, jnp.int32)
     mk = nnx.merge(_graphdef(cfg), drafter).mtp[cfg.num_nextn_predict_layers - 1].markov_head
-    return DraftHeads(ids, take_rows(target["head"]["weight"][...], ids).astype(jnp.float32),
-                      jnp.take(mk.head.weight[...], ids, axis=0).astype(jnp.float32))
+    return DraftHeads(ids, *_head_rows(target["head"]["weight"][...], mk.head.weight[...], ids))
+
+
+@jax.jit
+def _head_rows(head, markov, ids):
+    """One program for the gathers (decoding the rows of a quantized head) instead of a dozen eager ops."""
+    return take_rows(head, ids).astype(jnp.float32), jnp.take(markov, ids, axis=0).astype(jnp.float32)
 
 
 def draft_sampled(drafter: nnx.State, target: nnx.State, cfg, heads: DraftHeads, ctx_BSd: jax.Array,

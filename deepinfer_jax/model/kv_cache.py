@@ -28,6 +28,7 @@ import numpy as np
 
 from deepinfer_jax.config import LayerRole
 from deepinfer_jax.model import quant
+from deepinfer_jax.model.host_arrays import filled
 
 _CODECS = {
     "fp8": (quant.encode_fp8, quant.decode_fp8, 32),
@@ -38,12 +39,6 @@ _CODECS = {
 
 def kv_source_layers(cfg) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.num_hidden_layers) if cfg.layer_role(i) is LayerRole.FULL)
-
-
-def filled(shape: tuple[int, ...], dtype, value=0) -> jax.Array:
-    """A device array of ``value`` made on the host: unlike ``jnp.zeros``, compiles no program (an
-    engine's start-up allocates dozens of differently shaped buffers)."""
-    return jnp.asarray(np.full(shape, value, dtype))
 
 
 def _empty(shape: tuple[int, ...], fmt: str, quantized: bool):

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.model import dspark
-from deepinfer_jax.model.kv_cache import filled
+from deepinfer_jax.model.host_arrays import filled
 from deepinfer_jax.model.paged import Captured, StepInputs
 from deepinfer_jax.model.sampler import _filter, apply_bitmask, row_key, sample_tokens, search_flags
 

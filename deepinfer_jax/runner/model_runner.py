@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.model.host_arrays import filled
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs
 from deepinfer_jax.model.sampler import SamplingInputs
@@ -184,7 +185,7 @@ class ModelRunner:
         cfg, cache_cfg = self.cfg, self.cache_cfg
         self.params = params
         self.cache = init_cache(cfg, cache_cfg)
-        self.last_ids = jnp.zeros(cache_cfg.max_requests, jnp.int32)
+        self.last_ids = filled((cache_cfg.max_requests,), jnp.int32)
         self._pleaves, self._ptree = jax.tree_util.tree_flatten(params)
         # the step programs: traced once per machine and kept on disk (runner.program_store)
         self._fn = stored_jit(logits_step_flat, "step", (0, 2, 3), (4,), on_build=count_trace)
@@ -475,7 +476,7 @@ class ModelRunner:
 
     def _all_ones(self, shape) -> jax.Array:
         if self.mesh is None:
-            return jnp.full(shape, -1, jnp.int32)
+            return filled(shape, jnp.int32, -1)
         return jax.jit(lambda: jnp.full(shape, -1, jnp.int32), out_shardings=self._replicated)()
 
     def _global(self, host, sharding, always: bool = False):

@@ -28,6 +28,7 @@ import numpy as np
 
 from deepinfer_jax.model import dspark
 from deepinfer_jax.model import speculative as spec_ops
+from deepinfer_jax.model.host_arrays import filled
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner.buckets import Buckets
@@ -196,7 +197,7 @@ class SpecRunner(ModelRunner):
         (row i = chunk i in the caller's order)."""
         if mask is None:
             if fwd.rows not in self._no_mask:
-                self._no_mask[fwd.rows] = jnp.full((fwd.rows, self.mask_words), -1, jnp.int32)
+                self._no_mask[fwd.rows] = filled((fwd.rows, self.mask_words), jnp.int32, -1)
             dev_mask, has = self._no_mask[fwd.rows], np.False_
         else:
             if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
