@@ -432,51 +432,112 @@ def _fast_role(capacity, min_instances, max_instances):
                         sustain_window_s=0.0, down_hysteresis=0)
 
 
-def test_cluster_autoscaler_scales_decode_up_under_load_and_down_when_idle(ref, cluster):
-    """Decode capacity: one running request per instance, so four running requests scale decode up
-    (by one, to its bound); once idle it scales down again; every output equals colocated."""
-    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+def _in_service(c, role):
+    return len([i for i in c._live(role) if i.retire_at is None and not i.draining])
 
-    n_p, n_d = (len([i for i in cluster._live(r) if i.retire_at is None and not i.draining])
-                for r in ("prefill", "decode"))
-    cluster.enable_autoscaler(AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1.0, n_d, n_d + 1), ready_pool=0,
-                                                 tick_s=0.2))
+
+def _scale_up_then_down(ref, c, role, settings, seed):
+    """Keep ``c`` loaded until the autoscaler has added one ``role`` instance and it has served a
+    request, then idle until it is scaled down again; returns (up events, down events) of ``role``.
+    Every output must equal colocated, none lost or duplicated; no other role may change."""
+    n = _in_service(c, role)
+    c.enable_autoscaler(settings)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    events, sent, outs = cluster.stats.scale_events, [], {}
+    events, sent, outs = c.stats.scale_events, [], {}
     start = len(events)
     try:
         end = time.perf_counter() + 600
         new, used = None, False
-        while True:  # keep four requests running until the new decode instance has served one
+        while True:  # keep four requests in flight until the new instance has served one
             assert time.perf_counter() < end, "the autoscaler did not scale up in time"
             if sum(1 for r, _ in sent if r not in outs) < 4 and not used:
-                prompts = _prompts(30 + len(sent), (18, 33))
-                sent += zip(cluster.submit([{"prompt_token_ids": p} for p in prompts], sp), prompts)
-            for o in cluster.step(timeout_s=0.1):
+                prompts = _prompts(seed + len(sent), (18, 33))
+                sent += zip(c.submit([{"prompt_token_ids": p} for p in prompts], sp), prompts)
+            if new is not None and new.rids:  # routed to it (a prefill instance answers within a step)
+                used = True
+            for o in c.step(timeout_s=0.1):
+                assert o.request_id not in outs, "an output came twice"
                 outs[o.request_id] = o
-            if new is None and any(e.role == "decode" for e in events[start:]):
-                new = cluster.instances["decode"][-1]
+            if new is None and any(e.role == role for e in events[start:]):
+                new = c.instances[role][-1]
                 assert not new.ready and not new.accepting  # started without blocking, not routed to yet
             if new is not None and new.rids:
+                assert new.ready
                 used = True
             if used and all(r in outs for r, _ in sent):
                 break
-        up = [e for e in events[start:] if e.role == "decode"]
-        assert [(e.before, e.after) for e in up] == [(n_d, n_d + 1)] and new.ready
-        while True:  # idle: back down to n_d, the retired instance gone
+        while True:  # idle: back down, the instance that went out of service stopped
             assert time.perf_counter() < end, "the autoscaler did not scale down in time"
-            cluster.step(timeout_s=0.1)
+            c.step(timeout_s=0.1)
             time.sleep(0.05)
-            down = [e for e in events[start:] if e.role == "decode" and e.after < e.before]
-            if down and not any(i.alive and i.retire_at is not None for i in cluster.instances["decode"]):
+            down = [e for e in events[start:] if e.role == role and e.after < e.before]
+            if down and not any(i.alive and (i.retire_at is not None or i.draining) for i in c.instances[role]):
                 break
-        assert [(e.before, e.after) for e in down] == [(n_d + 1, n_d)]
-        assert len([i for i in cluster._live("decode") if i.accepting]) == n_d
-        assert all(e.role == "decode" for e in events[start:])  # prefill stayed within its bound
+        assert all(e.role == role for e in events[start:])  # the other role stayed within its bounds
+        up = [e for e in events[start:] if e.after > e.before]
     finally:
-        cluster.enable_autoscaler(None)
-    assert cluster.stats.duplicates == 0 and set(outs) == {r for r, _ in sent}
+        c.enable_autoscaler(None)
+    assert [(e.before, e.after) for e in up] == [(n, n + 1)] and up[0].reason
+    assert [(e.before, e.after) for e in down] == [(n + 1, n)] and down[0].time > up[0].time
+    assert len([i for i in c._live(role) if i.accepting]) == n == _in_service(c, role)
+    assert c.stats.duplicates == 0 and set(outs) == {r for r, _ in sent}
     want = _reference(ref, [p for _, p in sent], sp)
     assert [outs[r].outputs[0].token_ids for r, _ in sent] == _tokens(want)
     for r, _ in sent:
+        c.requests.pop(r, None)
+    return up, down
+
+
+def test_cluster_autoscaler_scales_decode_up_under_load_and_down_when_idle(ref, cluster):
+    """Decode capacity: one running request per instance, so four running requests scale decode up
+    (by one, to its bound); once idle it is retired (grace, forwarding) again."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    settings = AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1.0, n_d, n_d + 1), ready_pool=0, tick_s=0.2)
+    up, _ = _scale_up_then_down(ref, cluster, "decode", settings, 30)
+    assert "needs" in up[0].reason
+
+
+def test_cluster_autoscaler_scales_prefill_with_the_uncached_token_rate(ref, cluster):
+    """Prefill capacity: one uncached token/s per instance, so routed prompts scale prefill up (by
+    one, to its bound); once idle the instance is drained (no new requests) and stopped."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    settings = AutoscalerSettings(_fast_role(1.0, n_p, n_p + 1), _fast_role(1e9, n_d, n_d), ready_pool=0, tick_s=0.2)
+    drained = {i.index for i in cluster.instances["prefill"] if i.draining}
+    _scale_up_then_down(ref, cluster, "prefill", settings, 60)
+    now_drained = [i for i in cluster.instances["prefill"] if i.draining and i.index not in drained]
+    assert len(now_drained) == 1 and not now_drained[0].alive and not now_drained[0].rids
+
+
+def test_cluster_autoscaler_replaces_a_dead_decode_instance(ref, cluster):
+    """Recovery: a decode actor dies; its requests are rerouted to the spare instance, and the
+    autoscaler (below ``min_instances``) starts a replacement."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    _two_accepting_decoders(cluster)
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    cluster.enable_autoscaler(AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1e9, n_d, n_d), ready_pool=0,
+                                                 tick_s=0.2))
+    try:
+        victim = cluster._live("decode")[-1]
+        cluster.kill("decode", victim.index)
+        prompts = _prompts(90, (20, 30, 40, 50))
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        rids = cluster.submit([{"prompt_token_ids": p} for p in prompts], sp)
+        got = _run_until(cluster, rids, timeout_s=300)
+        end = time.perf_counter() + 300
+        while not (cluster.instances["decode"][-1] is not victim and cluster.instances["decode"][-1].ready):
+            assert time.perf_counter() < end, "no replacement started"
+            cluster.step(timeout_s=0.1)
+            time.sleep(0.05)
+    finally:
+        cluster.enable_autoscaler(None)
+    assert not victim.alive
+    ups = [e for e in cluster.stats.scale_events if e.role == "decode" and e.reason == "below min_instances"]
+    assert ups and (ups[-1].before, ups[-1].after) == (n_d - 1, n_d) and _in_service(cluster, "decode") == n_d
+    assert _tokens(got) == _tokens(_reference(ref, prompts, sp))
+    for r in rids:
         cluster.requests.pop(r, None)
