@@ -361,6 +361,19 @@ def test_cluster_stream_request_finished_by_its_first_token(ref, cluster):
     _check_stream(streams, _reference(ref, prompts, sp))
 
 
+def test_cluster_stream_closed_early_forgets_its_requests(cluster):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    it = cluster.generate_stream([{"prompt_token_ids": p} for p in _prompts(24, (15, 26))], sp)
+    first = next(it)
+    it.close()
+    assert first.request_id in cluster.requests and cluster.requests[first.request_id].orphan
+    end = time.perf_counter() + 120
+    while cluster.has_unfinished:  # they still finish on the instances, then are dropped
+        assert time.perf_counter() < end, "the closed stream's requests did not finish"
+        cluster.step(timeout_s=0.1)
+    assert first.request_id not in cluster.requests and not any(r.orphan for r in cluster.requests.values())
+
+
 def _two_accepting_decoders(c):
     if len([i for i in c._live("decode") if i.accepting]) < 2:
         c.add_instance("decode")
