@@ -285,3 +285,272 @@ def test_cluster_retired_decode_forwards_after_grace(ref, cluster):
     assert retired and not retired[0].alive and cluster.stats.duplicates == 0
     assert cluster.stats.forwarded >= 1
     assert _tokens(got) == _tokens(_reference(ref, prompts, sp))
+
+
+# ---- streaming through the cluster (issue 23 item 2) ----
+def _out(ids, text, finished=False, reason=None):
+    from deepinfer_jax.engine.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("s0", None, [1, 2], [CompletionOutput(0, text, ids, reason)], finished, 0)
+
+
+def test_stream_cursor_holds_stop_text_and_skips_what_the_client_has():
+    from deepinfer_jax.cluster.streaming import Partial, StreamCursor
+
+    cur = StreamCursor(("xyz",))  # hold back 2 characters while it runs
+    first = cur.first(_out([7], "abc"), 0.0, 1.0)
+    assert first.outputs[0].token_ids == [7] and first.outputs[0].text == "a" and cur.start == (1, 1, 0)
+    d = cur.partial(first, Partial(1, [8, 9], 1, "bcde"), 0.0, 1.0)
+    assert d.outputs[0].token_ids == [8, 9] and d.outputs[0].text == "bcde" and cur.start == (3, 5, 0)
+    # an instance that took over at the same position regenerates: only the new token comes through
+    again = cur.partial(first, Partial(1, [8, 9, 10], 1, "bcdefg"), 0.0, 1.0)
+    assert again.outputs[0].token_ids == [10] and again.outputs[0].text == "fg"
+    assert cur.partial(first, Partial(2, [9], 3, "de"), 0.0, 1.0) is None  # nothing the client lacks
+    last = cur.final(_out([7, 8, 9, 10, 11], "abcdefghi", True, "length"))
+    assert last.finished and last.outputs[0].token_ids == [11] and last.outputs[0].text == "hi"
+    assert last.outputs[0].finish_reason == "length"
+    with pytest.raises(RuntimeError):  # a report after a gap would lose tokens: refused
+        StreamCursor(()).partial(first, Partial(3, [1], 0, "x"), 0.0, 1.0)
+
+
+def _stream(c, prompts, sp, on_delta=None, budget_s=0.0):
+    """Run ``c.generate_stream``, one decode step per actor answer (``budget_s``); deltas by request."""
+    old, c.budget_s = c.budget_s, budget_s
+    try:
+        by_rid: dict[str, list] = {}
+        for d in c.generate_stream([{"prompt_token_ids": p} for p in prompts], sp):
+            assert not (by_rid.get(d.request_id) and by_rid[d.request_id][-1].finished), "a delta after the last"
+            by_rid.setdefault(d.request_id, []).append(d)
+            if on_delta is not None:
+                on_delta(d, by_rid[d.request_id])
+    finally:
+        c.budget_s = old
+    return [by_rid[r] for r in sorted(by_rid, key=lambda r: int(r[1:]))]
+
+
+def _joined(deltas):
+    return ([t for d in deltas for t in d.outputs[0].token_ids], "".join(d.outputs[0].text for d in deltas))
+
+
+def _check_stream(streams, want):
+    assert len(streams) == len(want)
+    for deltas, w in zip(streams, want):
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        assert all(d.outputs[0].token_ids for d in deltas[:-1])  # no empty delta while it runs
+        assert _joined(deltas) == (w.outputs[0].token_ids, w.outputs[0].text)
+        assert deltas[-1].outputs[0].finish_reason == w.outputs[0].finish_reason
+
+
+def test_cluster_stream_is_per_token_and_concatenates_to_colocated(ref, cluster):
+    prompts = _prompts(20, (9, 30, 47))
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    streams = _stream(cluster, prompts, sp)
+    _check_stream(streams, _reference(ref, prompts, sp))
+    for deltas in streams:
+        assert len(deltas[0].outputs[0].token_ids) == 1  # the prefill instance's first token, on its own
+        # it really streams: deltas from the decode instance before the request finished
+        assert len(deltas) >= 3 and sum(len(d.outputs[0].token_ids) for d in deltas[1:-1]) >= 1
+    assert not any(r in cluster.requests for r in (d[0].request_id for d in streams))
+
+
+def test_cluster_stream_request_finished_by_its_first_token(ref, cluster):
+    prompts = _prompts(21, (12,))
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    streams = _stream(cluster, prompts, sp)
+    assert len(streams[0]) == 1
+    _check_stream(streams, _reference(ref, prompts, sp))
+
+
+def test_cluster_stream_closed_early_forgets_its_requests(cluster):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    it = cluster.generate_stream([{"prompt_token_ids": p} for p in _prompts(24, (15, 26))], sp)
+    first = next(it)
+    it.close()
+    assert first.request_id in cluster.requests and cluster.requests[first.request_id].orphan
+    end = time.perf_counter() + 120
+    while cluster.has_unfinished:  # they still finish on the instances, then are dropped
+        assert time.perf_counter() < end, "the closed stream's requests did not finish"
+        cluster.step(timeout_s=0.1)
+    assert first.request_id not in cluster.requests and not any(r.orphan for r in cluster.requests.values())
+
+
+def _two_accepting_decoders(c):
+    if len([i for i in c._live("decode") if i.accepting]) < 2:
+        c.add_instance("decode")
+
+
+def test_cluster_stream_survives_a_decode_actor_killed_mid_stream(ref, cluster):
+    _two_accepting_decoders(cluster)
+    prompts = _prompts(22, (20, 41, 58))
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    killed, before = [], cluster.stats.resumed_decode
+
+    def kill_when_streamed(d, deltas):
+        where = cluster.requests[d.request_id].where if d.request_id in cluster.requests else None
+        if not killed and not d.finished and sum(len(x.outputs[0].token_ids) for x in deltas) >= 6 and where \
+                and where[0] == "decode":
+            cluster.kill("decode", where[1])
+            killed.append(where[1])
+
+    streams = _stream(cluster, prompts, sp, kill_when_streamed)
+    assert killed and cluster.stats.resumed_decode > before and cluster.stats.duplicates == 0
+    _check_stream(streams, _reference(ref, prompts, sp))
+
+
+def test_cluster_stream_survives_retire_and_forwarding(ref, cluster):
+    _two_accepting_decoders(cluster)
+    prompts = _prompts(23, (25, 44, 61))
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    retired, before = [], cluster.stats.forwarded
+
+    def retire_when_streamed(d, deltas):
+        req = cluster.requests.get(d.request_id)
+        if not retired and req is not None and not d.finished and req.where and req.where[0] == "decode" \
+                and sum(len(x.outputs[0].token_ids) for x in deltas) >= 4:
+            cluster.retire_decode(req.where[1], grace_s=0.0)
+            retired.append(cluster.instances["decode"][req.where[1]])
+
+    streams = _stream(cluster, prompts, sp, retire_when_streamed)
+    assert retired and not retired[0].alive and cluster.stats.forwarded > before and cluster.stats.duplicates == 0
+    _check_stream(streams, _reference(ref, prompts, sp))
+
+
+# ---- the live autoscaler (issue 23) ----
+def test_cluster_bad_settings_are_typed_errors_naming_the_field():
+    pytest.importorskip("ray", reason="Ray (the 'cluster' extra) is not installed")
+    from deepinfer_jax.cluster import Cluster
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings, RoleSettings
+    from deepinfer_jax.cluster.errors import PolicyInputError
+
+    with pytest.raises(PolicyInputError) as e:
+        AutoscalerSettings(RoleSettings(1.0), RoleSettings(1.0), tick_s=-1.0)
+    assert e.value.field == "tick_s"
+    cases = [({"autoscaler": {"tick_s": 1.0}}, "autoscaler"),
+             ({"autoscaler": AutoscalerSettings(RoleSettings(1.0), RoleSettings(1.0, min_instances=0))},
+              "autoscaler.decode.min_instances"),
+             ({"budget_s": -0.1}, "budget_s"), ({"decode_grace_s": "60"}, "decode_grace_s"),
+             ({"prefill": 0}, "prefill"), ({"decode": 1.5}, "decode")]
+    for kw, field in cases:
+        with pytest.raises(PolicyInputError) as e:
+            Cluster(model="tiny", **kw)
+        assert e.value.field == field and isinstance(e.value, ValueError)
+
+
+def _fast_role(capacity, min_instances, max_instances):
+    from deepinfer_jax.cluster.autoscaler import RoleSettings
+
+    return RoleSettings(capacity, min_instances=min_instances, max_instances=max_instances, target_utilization=1.0,
+                        margin_instances=0, margin_fraction=0.0, max_step_up=1, max_step_down=1, up_cooldown_s=0.0,
+                        down_after_up_s=0.0, down_after_down_s=0.0, up_window_s=0.0, down_window_s=3.0,
+                        sustain_window_s=0.0, down_hysteresis=0)
+
+
+def _in_service(c, role):
+    return len([i for i in c._live(role) if i.retire_at is None and not i.draining])
+
+
+def _scale_up_then_down(ref, c, role, settings, seed):
+    """Keep ``c`` loaded until the autoscaler has added one ``role`` instance and it has served a
+    request, then idle until it is scaled down again; returns (up events, down events) of ``role``.
+    Every output must equal colocated, none lost or duplicated; no other role may change."""
+    n = _in_service(c, role)
+    c.enable_autoscaler(settings)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    events, sent, outs = c.stats.scale_events, [], {}
+    start = len(events)
+    try:
+        end = time.perf_counter() + 600
+        new, used = None, False
+        while True:  # keep four requests in flight until the new instance has served one
+            assert time.perf_counter() < end, "the autoscaler did not scale up in time"
+            if sum(1 for r, _ in sent if r not in outs) < 4 and not used:
+                prompts = _prompts(seed + len(sent), (18, 33))
+                sent += zip(c.submit([{"prompt_token_ids": p} for p in prompts], sp), prompts)
+            if new is not None and new.rids:  # routed to it (a prefill instance answers within a step)
+                used = True
+            for o in c.step(timeout_s=0.1):
+                assert o.request_id not in outs, "an output came twice"
+                outs[o.request_id] = o
+            if new is None and any(e.role == role for e in events[start:]):
+                new = c.instances[role][-1]
+                assert not new.ready and not new.accepting  # started without blocking, not routed to yet
+            if new is not None and new.rids:
+                assert new.ready
+                used = True
+            if used and all(r in outs for r, _ in sent):
+                break
+        while True:  # idle: back down, the instance that went out of service stopped
+            assert time.perf_counter() < end, "the autoscaler did not scale down in time"
+            c.step(timeout_s=0.1)
+            time.sleep(0.05)
+            down = [e for e in events[start:] if e.role == role and e.after < e.before]
+            if down and not any(i.alive and (i.retire_at is not None or i.draining) for i in c.instances[role]):
+                break
+        assert all(e.role == role for e in events[start:])  # the other role stayed within its bounds
+        up = [e for e in events[start:] if e.after > e.before]
+    finally:
+        c.enable_autoscaler(None)
+    assert [(e.before, e.after) for e in up] == [(n, n + 1)] and up[0].reason
+    assert [(e.before, e.after) for e in down] == [(n + 1, n)] and down[0].time > up[0].time
+    assert len([i for i in c._live(role) if i.accepting]) == n == _in_service(c, role)
+    assert c.stats.duplicates == 0 and set(outs) == {r for r, _ in sent}
+    want = _reference(ref, [p for _, p in sent], sp)
+    assert [outs[r].outputs[0].token_ids for r, _ in sent] == _tokens(want)
+    for r, _ in sent:
+        c.requests.pop(r, None)
+    return up, down
+
+
+def test_cluster_autoscaler_scales_decode_up_under_load_and_down_when_idle(ref, cluster):
+    """Decode capacity: one running request per instance, so four running requests scale decode up
+    (by one, to its bound); once idle it is retired (grace, forwarding) again."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    settings = AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1.0, n_d, n_d + 1), ready_pool=0, tick_s=0.2)
+    up, _ = _scale_up_then_down(ref, cluster, "decode", settings, 30)
+    assert "needs" in up[0].reason
+
+
+def test_cluster_autoscaler_scales_prefill_with_the_uncached_token_rate(ref, cluster):
+    """Prefill capacity: one uncached token/s per instance, so routed prompts scale prefill up (by
+    one, to its bound); once idle the instance is drained (no new requests) and stopped."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    settings = AutoscalerSettings(_fast_role(1.0, n_p, n_p + 1), _fast_role(1e9, n_d, n_d), ready_pool=0, tick_s=0.2)
+    drained = {i.index for i in cluster.instances["prefill"] if i.draining}
+    _scale_up_then_down(ref, cluster, "prefill", settings, 60)
+    now_drained = [i for i in cluster.instances["prefill"] if i.draining and i.index not in drained]
+    assert len(now_drained) == 1 and not now_drained[0].alive and not now_drained[0].rids
+
+
+def test_cluster_autoscaler_replaces_a_dead_decode_instance(ref, cluster):
+    """Recovery: a decode actor dies; its requests are rerouted to the spare instance, and the
+    autoscaler (below ``min_instances``) starts a replacement."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    _two_accepting_decoders(cluster)
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    cluster.enable_autoscaler(AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1e9, n_d, n_d), ready_pool=0,
+                                                 tick_s=0.2))
+    try:
+        victim = cluster._live("decode")[-1]
+        cluster.kill("decode", victim.index)
+        prompts = _prompts(90, (20, 30, 40, 50))
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        rids = cluster.submit([{"prompt_token_ids": p} for p in prompts], sp)
+        got = _run_until(cluster, rids, timeout_s=300)
+        end = time.perf_counter() + 300
+        while not (cluster.instances["decode"][-1] is not victim and cluster.instances["decode"][-1].ready):
+            assert time.perf_counter() < end, "no replacement started"
+            cluster.step(timeout_s=0.1)
+            time.sleep(0.05)
+    finally:
+        cluster.enable_autoscaler(None)
+    assert not victim.alive
+    ups = [e for e in cluster.stats.scale_events if e.role == "decode" and e.reason == "below min_instances"]
+    assert ups and (ups[-1].before, ups[-1].after) == (n_d - 1, n_d) and _in_service(cluster, "decode") == n_d
+    assert _tokens(got) == _tokens(_reference(ref, prompts, sp))
+    for r in rids:
+        cluster.requests.pop(r, None)

@@ -6,7 +6,7 @@ of the instances. ``simulate``: a discrete-event simulator that judges them agai
 Pure Python (numpy only in the traces). The live cluster builds on these: ``handoff`` (the format
 between engines), ``roles`` (prefill / decode instances around an ``LLM``), ``actors`` and ``live``
 (``Cluster``: the instances as Ray actors, the router on the driver; imported on first use, Ray is
-an optional extra).
+an optional extra), ``streaming`` (its per-token deltas) and ``scaling`` (the autoscaler, live).
 """
 
 from deepinfer_jax.cluster.policies import *

@@ -4,7 +4,10 @@ A plain class; ``live.Cluster`` wraps it with ``ray.remote``. Each actor builds 
 engine, one process) and a ``roles.PrefillInstance`` or ``roles.DecodeInstance`` around it. The
 router talks to it through ``work``: hand it new requests and let it step for up to ``budget_s``
 (returning as soon as a step produced results), so one outstanding call per actor keeps every
-engine busy while the driver routes.
+engine busy while the driver routes. A decode request added with ``stream`` (where the client's
+stream stands: tokens, characters, logprobs) is also reported while it runs: ``work`` returns its
+new tokens and text since the previous answer (``cluster.streaming.Partial``), not only finished
+requests.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class EngineActor:
         self.role = role
         self.llm = LLM(model, use_tqdm=False, **settings)
         self.inst = PrefillInstance(self.llm) if role == "prefill" else DecodeInstance(self.llm)
+        self.trackers: dict = {}  # request id -> streaming.PartialTracker (decode, streamed requests)
 
     def info(self) -> dict:
         """What the router needs to match prefixes and charge quota like the engines do."""
@@ -55,15 +59,24 @@ class EngineActor:
         return out
 
     def work(self, adds: list[dict], budget_s: float = 0.05) -> dict:
-        """Add ``adds`` (``Instance.add`` keywords), then step until a step returns results or
-        ``budget_s`` has passed. Returns ``results`` (``PrefillResult`` / ``RequestOutput``), ``how``
-        (decode: request id -> admission) and ``errors`` (request id -> message)."""
+        """Add ``adds`` (``Instance.add`` keywords; decode: also ``stream``, the client's position or
+        None), then step until a step returns results or ``budget_s`` has passed. Returns ``results``
+        (``PrefillResult`` / ``RequestOutput``), ``partial`` (decode: request id -> ``Partial`` of a
+        streamed request still running), ``how`` (decode: request id -> admission) and ``errors``
+        (request id -> message)."""
+        from deepinfer_jax.cluster.streaming import PartialTracker
+
         how, errors = {}, {}
         for a in adds:
+            a = dict(a)
+            stream = a.pop("stream", None)
             try:
                 admitted = self.inst.add(**a)
                 if self.role == "decode":
                     how[a["request_id"]] = admitted
+                    if stream is not None:
+                        self.trackers[a["request_id"]] = PartialTracker(self.llm.engine.requests[a["request_id"]],
+                                                                        tuple(stream))
             except (RequestError, ValueError) as e:
                 errors[a["request_id"]] = str(e)
         results = []
@@ -72,10 +85,19 @@ class EngineActor:
             results += self.inst.step()
             if results or time.perf_counter() > end:
                 break
-        return {"results": results, "how": how, "errors": errors, "busy": self.inst.has_unfinished}
+        for out in results:
+            self.trackers.pop(getattr(out, "request_id", None), None)
+        partial = {}
+        for rid, t in self.trackers.items():
+            p = t.partial()
+            if p is not None:
+                partial[rid] = p
+        return {"results": results, "partial": partial, "how": how, "errors": errors,
+                "busy": self.inst.has_unfinished}
 
     def forward_unfinished(self):
         """Decode role, going offline: ``(finished outputs, roles.Forwarded list)``."""
+        self.trackers.clear()
         return self.inst.forward_unfinished()
 
     def stats(self) -> dict:

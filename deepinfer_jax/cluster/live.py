@@ -23,6 +23,17 @@ finishes, which makes the faults cheap to survive:
   rest (blocks to the store + state) to the other decode instances, which continue them exactly.
 
 Outputs are recorded once per request id (a late duplicate is dropped and counted).
+
+``generate_stream`` streams per token as ``LLM.generate_stream`` does (deltas; ``cluster.streaming``):
+the first token once the prefill instance has it, then the decode instance's new tokens with each of
+its answers (at most ``budget_s`` apart), then the rest with the finished output. After a fault the
+instance that continues a request reports from where the client's stream stands, so nothing is
+streamed twice or skipped (greedy decoding regenerates the same tokens).
+
+``autoscaler=AutoscalerSettings(...)``: every ``tick_s`` the router measures the uncached prompt
+tokens/s and the running decode requests, calls ``Autoscaler.tick`` and adds instances (started
+without blocking, routed to once ready) or takes them out of service (``cluster.scaling``); the
+changes are ``ClusterStats.scale_events``.
 """
 
 from __future__ import annotations
@@ -36,9 +47,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
+from deepinfer_jax.cluster.errors import check_int, check_number
 from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, request_quota
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_tokens
+from deepinfer_jax.cluster.scaling import LiveScaler, check_settings
+from deepinfer_jax.cluster.streaming import StreamCursor
 from deepinfer_jax.engine import RequestError, RequestOutput, SamplingParams
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_router import RankLoad
@@ -74,6 +89,7 @@ class ClusterStats:
     forwarded: int = 0  # requests a retiring decode instance handed on
     duplicates: int = 0  # outputs for an already finished request (dropped)
     finished_at_prefill: int = 0  # requests the first token already ended
+    scale_events: list = field(default_factory=list)  # scaling.ScaleEvent, one per autoscaler change
 
 
 @dataclass
@@ -90,6 +106,9 @@ class _Req:
     first: RequestOutput | None = None
     first_time: float | None = None
     done: RequestOutput | None = None
+    cursor: StreamCursor | None = None  # streamed: what the client has
+    deltas: list = field(default_factory=list)  # streamed: deltas not yet handed out
+    orphan: bool = False  # its stream was closed: forget it once it finishes
 
 
 @dataclass
@@ -104,6 +123,8 @@ class _Instance:
     adds: list = field(default_factory=list)
     busy: bool = False
     rids: set = field(default_factory=set)
+    ready: bool = True  # False while a non-blocking start waits for the engine (not routed to)
+    draining: bool = False  # prefill going offline: no new requests, stopped once it has none
 
 
 class Cluster:
@@ -112,18 +133,21 @@ class Cluster:
     ``model`` and ``**settings``: as for ``LLM`` (every instance); ``prefill_settings`` /
     ``decode_settings`` override per role. ``ray_init``: keywords for ``ray.init`` when Ray is not
     initialised yet (local: ``num_cpus=2``, no dashboard); the workers import this checkout.
+    ``autoscaler``: ``AutoscalerSettings`` to scale both roles live (``enable_autoscaler``), or None.
     """
 
     def __init__(self, prefill: int = 1, decode: int = 1, model=None, *, block_store: str | os.PathLike | None = None,
                  prefill_settings: dict | None = None, decode_settings: dict | None = None,
                  decode_grace_s: float = 60.0, budget_s: float = 0.05, ray_init: dict | None = None,
-                 actor_options: dict | None = None, **settings) -> None:
+                 actor_options: dict | None = None, autoscaler: AutoscalerSettings | None = None,
+                 **settings) -> None:
         import ray
 
-        if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
-            raise ValueError(f"prefill: at least one instance, got {prefill!r}")
-        if isinstance(decode, bool) or not isinstance(decode, int) or decode < 1:
-            raise ValueError(f"decode: at least one instance, got {decode!r}")
+        check_int("prefill", prefill, 1)
+        check_int("decode", decode, 1)
+        check_number("decode_grace_s", decode_grace_s)
+        check_number("budget_s", budget_s)
+        check_settings(autoscaler)
         self._ray = ray
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
@@ -156,6 +180,14 @@ class Cluster:
         self.requests: dict[str, _Req] = {}
         self._numbers = 0
         self.stats = ClusterStats()
+        self.scaler: LiveScaler | None = None
+        self.enable_autoscaler(autoscaler)
+
+    def enable_autoscaler(self, settings: AutoscalerSettings | None) -> None:
+        """Scale live with ``settings`` from now on (the policy starts from the instances in service),
+        or stop scaling (None)."""
+        settings = check_settings(settings)
+        self.scaler = None if settings is None else LiveScaler(self, settings, time.perf_counter())
 
     # ---- instances ----
     def _start(self, role: str) -> _Instance:
@@ -165,11 +197,27 @@ class Cluster:
         self._balancer = None  # re-made for the new count at the next submit
         return inst
 
-    def add_instance(self, role: str) -> int:
-        """Start one more instance of ``role`` (scale-up); returns its index once it is ready."""
+    def add_instance(self, role: str, wait: bool = True) -> int:
+        """Start one more instance of ``role`` (scale-up); returns its index, once it is ready
+        (``wait``), else at once: ``step`` routes to it after its engine has started."""
+        if role not in self.instances:
+            raise ValueError(f"role: 'prefill' or 'decode', got {role!r}")
         inst = self._start(role)
-        self._ray.get(inst.actor.info.remote())
+        if wait:
+            self._ray.get(inst.actor.info.remote())
+        else:
+            inst.ready = inst.accepting = False
+            inst.call = ("info", inst.actor.info.remote())
         return inst.index
+
+    def stop_instance(self, inst: _Instance) -> None:
+        """Kill ``inst``'s actor now and forget it (an instance that has no requests)."""
+        inst.alive = inst.accepting = False
+        inst.call = None
+        try:
+            self._ray.kill(inst.actor, no_restart=True)
+        except (ValueError, self._ray.exceptions.RayError) as e:  # already gone
+            log.debug("cluster: %s %d already stopped: %s", inst.role, inst.index, e)
 
     def _live(self, role: str | None = None) -> list[_Instance]:
         roles = [role] if role else ["prefill", "decode"]
@@ -190,8 +238,10 @@ class Cluster:
         inst.retire_at = time.perf_counter() + (self.decode_grace_s if grace_s is None else grace_s)
 
     # ---- requests ----
-    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[str]:
-        """Validate and route prompts (as ``LLM.generate`` takes them); returns their request ids."""
+    def submit(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+               stream: bool = False) -> list[str]:
+        """Validate and route prompts (as ``LLM.generate`` takes them); returns their request ids.
+        ``stream``: also keep their deltas (what ``generate_stream`` hands out)."""
         from deepinfer_jax.llm import LLM
 
         items = LLM._prompt_list(prompts)
@@ -207,7 +257,7 @@ class Cluster:
         for (text, ids), sp in zip(prepared, params):
             rid = f"c{self._numbers}"
             self._numbers += 1
-            self.requests[rid] = _Req(rid, text, ids, sp, now)
+            self.requests[rid] = _Req(rid, text, ids, sp, now, cursor=StreamCursor(sp.stop_strings) if stream else None)
             self._route_prefill(self.requests[rid])
             rids.append(rid)
         if self._balancer is not None:
@@ -224,6 +274,8 @@ class Cluster:
         m, _ = match_tokens(req.ids, bytes.fromhex(self.info["extra"]), self._index, None,
                             self.info["block_size"], self.info["ring_rows"])
         req.quota = request_quota(self._cost, m.uncached_tokens, m.hit_tokens, m.replay_tokens)
+        if self.scaler is not None:
+            self.scaler.count_uncached(m.uncached_tokens)
         backlogs = [[sum(self.requests[r].quota for r in i.rids)] for i in self.instances["prefill"]]
         accepting = [i.alive and i.accepting for i in self.instances["prefill"]]
         e, _rank = self._balancer.route(len(req.ids), req.quota, backlogs, accepting)
@@ -245,7 +297,7 @@ class Cluster:
         inst.rids.add(req.rid)
         inst.adds.append({"prompt_ids": req.ids, "params": req.params, "request_id": req.rid, "data": req.handoff,
                           "prompt": req.text, "num_cached_tokens": req.first.num_cached_tokens if req.first else 0,
-                          "output_ids": req.output_ids})
+                          "output_ids": req.output_ids, "stream": req.cursor and req.cursor.start})
 
     @staticmethod
     def _tokens(req: _Req) -> int:
@@ -260,6 +312,11 @@ class Cluster:
         """One router round: start a call on every instance with work, take the results of those that
         answered within ``timeout_s``; returns the requests that finished."""
         now = time.perf_counter()
+        if self.scaler is not None:
+            self.scaler.tick(now)
+        for inst in self._live("prefill"):
+            if inst.draining and inst.call is None and not inst.rids and not inst.adds:
+                self.stop_instance(inst)
         for inst in self._live("decode"):
             if inst.retire_at is not None and inst.call is None and (now >= inst.retire_at or not inst.rids):
                 inst.call = ("forward", inst.actor.forward_unfinished.remote())
@@ -281,7 +338,9 @@ class Cluster:
             except self._ray.exceptions.RayActorError:
                 self._lost(inst, rest[0] if kind == "work" else [])
                 continue
-            if kind == "forward":
+            if kind == "info":
+                inst.ready = inst.accepting = True
+            elif kind == "forward":
                 finished += self._forwarded(inst, *answer)
             else:
                 finished += self._answer(inst, answer)
@@ -306,6 +365,8 @@ class Cluster:
                 if req.done is not None or req.where != ("prefill", inst.index):
                     continue
                 req.first, req.first_time = res.output, now
+                if req.cursor is not None and res.handoff is not None:
+                    self._push(req, req.cursor.first(res.output, req.arrival, now))
                 if res.handoff is None:
                     self.stats.finished_at_prefill += 1
                     finished += self._finish(req, res.output, now)
@@ -319,7 +380,16 @@ class Cluster:
                 req = self.requests[res.request_id]
                 inst.rids.discard(req.rid)
                 finished += self._finish(req, res, now)
+        for rid, part in answer.get("partial", {}).items():
+            req = self.requests.get(rid)
+            if req is not None and req.cursor is not None and req.done is None and req.where == ("decode", inst.index):
+                self._push(req, req.cursor.partial(req.first, part, req.arrival, req.first_time))
         return finished
+
+    @staticmethod
+    def _push(req: _Req, delta: RequestOutput | None) -> None:
+        if delta is not None:
+            req.deltas.append(delta)
 
     def _finish(self, req: _Req, out: RequestOutput, now: float) -> list[RequestOutput]:
         if req.done is not None:
@@ -330,6 +400,10 @@ class Cluster:
         req.done = dataclasses.replace(out, num_cached_tokens=first.num_cached_tokens, metrics=metrics,
                                        prompt_logprobs=first.prompt_logprobs, prompt=req.text)
         req.where = None
+        if req.cursor is not None:
+            self._push(req, req.cursor.final(req.done))
+        if req.orphan:
+            self.requests.pop(req.rid, None)
         return [req.done]
 
     def _lost(self, inst: _Instance, adds: list) -> None:
@@ -388,14 +462,32 @@ class Cluster:
         return [self.requests.pop(r).done for r in rids]
 
     def generate_stream(self, prompts, sampling_params=None):
-        """Yield each request's ``RequestOutput`` as it finishes (whole, not per token)."""
-        rids = set(self.submit(prompts, sampling_params))
-        while rids:
-            for out in self.step():
-                if out.request_id in rids:
-                    rids.discard(out.request_id)
-                    self.requests.pop(out.request_id, None)
-                    yield out
+        """Like ``LLM.generate_stream``: ``RequestOutput`` deltas (new tokens and text, the last one
+        ``finished``) of all prompts, interleaved; match them by ``request_id``. The deltas of a
+        request concatenate to its ``generate`` output. Closing the iterator early stops streaming
+        (its requests still finish on the instances and are then dropped)."""
+        rids = self.submit(prompts, sampling_params, stream=True)
+        left = set(rids)
+        try:
+            while left:
+                self.step()
+                for rid in rids:
+                    req = self.requests.get(rid)
+                    if req is None or not req.deltas:
+                        continue
+                    deltas, req.deltas = req.deltas, []
+                    for d in deltas:
+                        if d.finished:
+                            left.discard(rid)
+                            self.requests.pop(rid, None)
+                        yield d
+        finally:
+            for rid in left:
+                req = self.requests.get(rid)
+                if req is not None and req.done is not None:
+                    self.requests.pop(rid)
+                elif req is not None:
+                    req.cursor, req.deltas, req.orphan = None, [], True
 
     def instance_stats(self) -> list[dict]:
         return self._ray.get([i.actor.stats.remote() for i in self._live()])

@@ -1,0 +1,122 @@
+"""The autoscaler live in ``Cluster`` (issue 23): measure, ``Autoscaler.tick``, apply (``LiveScaler``).
+
+Every ``AutoscalerSettings.tick_s`` seconds the router's ``step`` measures the two signals of the
+policy (``cluster.autoscaler``): the **rate of uncached prompt tokens** routed to prefill since the
+previous tick (from the entry prefix match the router does for every request it routes) and the
+**running requests** on the decode side (routed there and not finished). ``Autoscaler.tick`` turns
+them into a ``ScaleDecision``, applied at once:
+
+* **scale-up**: ``Cluster.add_instance(role, wait=False)``, a new Ray actor, not routed to until it
+  has answered ``info`` (its engine has started); the router keeps stepping meanwhile;
+* **scale-down**, an instance still starting first (killed at once), else the accepting one with
+  the fewest requests (never the last one accepting): decode ``retire_decode`` (the grace period,
+  then its unfinished requests forwarded, as for going offline by hand); prefill: no new requests,
+  and its actor is stopped once it has answered every request it has.
+
+The policy's bounds, cooldowns, burst hold (the spare quota) and its "no scale-down above 80% quota
+use" apply as ``decide`` rules them; after each tick the policy's instance counts are set to the
+instances actually in service, so a change the cluster could not make is not believed made. Every
+change is a ``ScaleEvent`` in ``ClusterStats.scale_events``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from deepinfer_jax.cluster.autoscaler import Autoscaler, AutoscalerSettings, ClusterSignals
+from deepinfer_jax.cluster.errors import PolicyInputError
+
+__all__ = ["LiveScaler", "ScaleEvent", "check_settings"]
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """One change of a role's instances in service: at ``time`` (``time.perf_counter``), from
+    ``before`` to ``after``, and the policy's reason."""
+
+    time: float
+    role: str
+    before: int
+    after: int
+    reason: str
+
+
+def check_settings(settings) -> AutoscalerSettings | None:
+    """``settings`` for a live cluster: an ``AutoscalerSettings`` (or None) whose roles keep at
+    least one instance (a role with none could not take or hand on a request)."""
+    if settings is None:
+        return None
+    if not isinstance(settings, AutoscalerSettings):
+        raise PolicyInputError("autoscaler", f"must be an AutoscalerSettings or None, got {type(settings).__name__}")
+    for role in ("prefill", "decode"):
+        if getattr(settings, role).min_instances < 1:
+            raise PolicyInputError(f"autoscaler.{role}.min_instances",
+                                   "a live cluster needs at least one instance of each role")
+    return settings
+
+
+class LiveScaler:
+    """The router's side of the autoscaler for one ``Cluster`` (``cluster``): ``count_uncached`` at
+    each routed prompt, ``tick(now)`` from every ``step``."""
+
+    def __init__(self, cluster, settings: AutoscalerSettings, now: float) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.policy = Autoscaler.start(settings, self.in_service("prefill"), self.in_service("decode"))
+        self.last = now
+        self.uncached = 0
+
+    def in_service(self, role: str) -> int:
+        """Instances of ``role`` alive and not going offline (starting ones included)."""
+        return len(self._serving(role))
+
+    def _serving(self, role: str) -> list:
+        return [i for i in self.cluster.instances[role] if i.alive and i.retire_at is None and not i.draining]
+
+    def count_uncached(self, tokens: int) -> None:
+        self.uncached += tokens
+
+    def tick(self, now: float) -> bool:
+        """Measure and apply a decision if ``tick_s`` has passed since the previous tick; True if it ticked."""
+        if now - self.last < self.settings.tick_s:
+            return False
+        c = self.cluster
+        rate = self.uncached / (now - self.last)
+        running = sum(len(i.rids) for i in c.instances["decode"] if i.alive)
+        self.last, self.uncached = now, 0
+        decision = self.policy.tick(now, ClusterSignals(rate, running))
+        reasons = dict(r.split(": ", 1) for r in decision.reasons)
+        for role in ("prefill", "decode"):
+            delta = getattr(decision, role)
+            before = self.in_service(role)
+            for _ in range(delta):
+                c.add_instance(role, wait=False)
+            for _ in range(-delta):
+                if not self._scale_down(role):
+                    break
+            after = self.in_service(role)
+            if after != before:
+                c.stats.scale_events.append(ScaleEvent(now, role, before, after, reasons.get(role, "")))
+            state = getattr(self.policy, role)
+            if state.current != after:  # a change the cluster could not make (or one it did not ask for)
+                setattr(self.policy, role, dataclasses.replace(state, current=after))
+        return True
+
+    def _scale_down(self, role: str) -> bool:
+        """Take one instance of ``role`` out of service; False when none can go."""
+        c = self.cluster
+        serving = self._serving(role)
+        starting = [i for i in serving if not i.ready]
+        if starting:
+            c.stop_instance(starting[-1])
+            return True
+        accepting = [i for i in serving if i.accepting]
+        if len(accepting) < 2:
+            return False
+        victim = min(reversed(accepting), key=lambda i: len(i.rids))
+        if role == "decode":
+            c.retire_decode(victim.index)
+        else:
+            victim.accepting, victim.draining = False, True
+        return True
