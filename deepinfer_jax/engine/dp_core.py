@@ -33,7 +33,7 @@ not look at prefixes (``pick_rank`` balances load only). Decoder bounded replay 
 on every rank as on one device.
 
 Not supported with DP yet: speculative decoding (``EngineConfig`` refuses ``speculation`` with
-``sharding``), and the engine roles' admitted states (``add_continuation`` with ``admit``).
+``sharding``), and the engine roles' continuations (``add_continuation``, refused with a ValueError).
 """
 
 from __future__ import annotations
@@ -142,6 +142,8 @@ class DPEngineCore(EngineCore):
         return req.request_id
 
     def add_continuation(self, *args, **kwargs) -> str:
+        """Not supported with DP yet: ValueError (a continuation would need a rank and, with ``admit``, the
+        whole-slot copies that the runner over a mesh lacks)."""
         raise ValueError("add_continuation: engine roles are not supported with attention data parallel yet")
 
     def rank_of(self, request_id: str) -> int | None:
