@@ -215,7 +215,7 @@ class LLM:
                                       decoder_replay=ec.decoder_replay)
         else:  # one cache per DP rank (cache_cfg is one rank's), one step for all ranks
             self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                      mesh=self.mesh, preset=self.sharding_preset)
+                                      decoder_replay=ec.decoder_replay, mesh=self.mesh, preset=self.sharding_preset)
         self._online_saves: dict[str, Path] = {}  # profiles fitted online, saved after each generate
         if hasattr(self.runner, "bucket_use"):  # lazy: short runs reuse a compiled larger bucket (BucketUse)
             self.runner.bucket_use.lazy = ec.precompile == "lazy"
@@ -548,8 +548,11 @@ class LLM:
         return out
 
     def _dp_stats(self) -> dict:
-        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding; with the EP MoE the
+        """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding, prefix-cache hits
+        (requests admitted with a hit; ``prefix`` sums every rank's counters); with the EP MoE the
         ``eplb_*`` keys (``DPEngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one)."""
         e = self.engine
         return {"dp_rank_requests": list(e.rank_requests), "dp_rank_tokens": list(e.rank_tokens),
-                "dp_rank_idle_steps": list(e.rank_idle_steps), **e.eplb_stats()}
+                "dp_rank_idle_steps": list(e.rank_idle_steps),
+                "dp_rank_prefix_hits": [0 if s.prefix is None else s.prefix.hits for s in e.schedulers],
+                **e.eplb_stats()}

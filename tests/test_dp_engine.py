@@ -3,7 +3,9 @@ fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the
 CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1; EPLB inside the running engine (item 4): a rebalance
 mid-run changes no output, the step's counts conserve every pair, the weights really move; and the engine
 over two jax.distributed processes of 4 CPU devices each (``tests/sharded/engine_multihost.py``) against one
-device.
+device. Prefix caching and decoder bounded replay in DP mode (issue 22): the per-rank copies against a fake
+runner, and greedy outputs on 8 fake devices against the one-device engine with the same setting
+(``tests/sharded/dp_prefix_check.py``).
 
 The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
 be set before jax starts, and this process keeps its single CPU device.
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from sharded import finish_processes, run_checks, start_processes
 
+from deepinfer_jax.cache.block_store import HostBlockStore
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
 from deepinfer_jax.engine.dp_core import DPEngineCore
@@ -193,10 +196,84 @@ def test_dp_core_refuses_what_it_does_not_support():
         core.add_request([1, 2], SamplingParams(structured_output={"regex": "a+"}))
     with pytest.raises(RequestError, match="prompt"):
         core.add_request([], SamplingParams())
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        _engine(dp=2, prefix_extra=b"model")
+    with pytest.raises(ValueError, match="add_continuation"):  # engine roles: not with DP yet
+        core.add_continuation([1, 2], [3], SamplingParams())
     with pytest.raises(ValueError, match="schedulers"):
         DPEngineCore(FakeDPRunner(2, 2), [], tokenizer=None, eos_token_id=0)
+    kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
+          "max_num_batched_tokens": 8}
+    mixed = {"enable_prefix_caching": [{"prefix_extra": b"model"}, {}],  # prefix caching on some ranks only
+             "host_store_bytes": [{"prefix_extra": b"model", "host_store": HostBlockStore()},
+                                  {"prefix_extra": b"model", "host_store": HostBlockStore()}],  # not one host tier
+             "decoder_replay": [{"decoder_keep": 4}, {}]}
+    for field, ranks in mixed.items():
+        with pytest.raises(ValueError, match=field):
+            DPEngineCore(FakeDPRunner(2, 2), [Scheduler(**kw, **r) for r in ranks], tokenizer=None, eos_token_id=0)
+
+
+class FakeCopyRunner(FakeDPRunner):
+    """``FakeDPRunner`` with the prefix cache's copies, each recorded as (what, rank, slot or block ids): a read
+    block's payload and a window say which rank they were copied from."""
+
+    def __init__(self, dp_size: int, slots: int):
+        super().__init__(dp_size, slots)
+        self.copies: list[tuple] = []
+
+    def snapshot_swa(self, slot, rank):
+        self.copies.append(("snapshot", rank, slot))
+        return {"from_rank": np.array(rank)}
+
+    def to_host(self, snapshot):
+        return snapshot
+
+    def restore_swa(self, slot, snapshot, engram_ids, position, rank):
+        self.copies.append(("restore", rank, slot, int(snapshot["from_rank"])))
+
+    def read_blocks(self, block_ids, rank):
+        self.copies.append(("read", rank, tuple(block_ids)))
+        return [(rank, b) for b in block_ids]
+
+    def block_payloads(self, read):
+        return [{"from": np.array(rb)} for rb in read]
+
+    def write_blocks(self, block_ids, payloads, rank):
+        self.copies.append(("write", rank, tuple(block_ids), tuple(int(p["from"][0]) for p in payloads)))
+
+
+def test_dp_core_prefix_cache_copies_target_the_requests_rank_and_hit_across_ranks():
+    kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
+          "max_num_batched_tokens": 8, "prefix_extra": b"model", "ring_rows": 4, "host_store": HostBlockStore()}
+    core = DPEngineCore(FakeCopyRunner(2, 2), [Scheduler(**kw) for _ in range(2)], tokenizer=None, eos_token_id=0)
+    prompt = list(range(10, 24))  # 14 tokens: windows saved at 8 and 12, a repeat hits 8 (14 - ring 4, in blocks)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def run(*prompts):
+        rids = [core.add_request(p, sp) for p in prompts]
+        ranks = [core.rank_of(r) for r in rids]
+        done = {}
+        while core.has_unfinished:
+            done.update({o.request_id: o for o in core.step()})
+        return [done[r] for r in rids], ranks
+
+    (a,), (rank_a,) = run(prompt)
+    first = list(core.runner.copies)
+    assert rank_a == 0 and a.num_cached_tokens == 0
+    assert {c[1] for c in first} == {0} and {c[0] for c in first} == {"snapshot", "read"}  # all on rank 0
+    core.runner.copies.clear()
+    (_, b), (_, rank_b) = run([50, 51, 52], prompt)  # the short request keeps rank 0 busy: the repeat goes to rank 1
+    assert rank_b == 1 and b.num_cached_tokens == 8 and b.outputs[0].token_ids == a.outputs[0].token_ids
+    writes = [c for c in core.runner.copies if c[0] == "write"]
+    restores = [c for c in core.runner.copies if c[0] == "restore"]
+    assert writes and all(c[1] == 1 and set(c[3]) == {0} for c in writes)  # rank 0's blocks uploaded into rank 1
+    assert len(restores) == 1 and restores[0][1] == 1 and restores[0][3] == 0  # rank 0's window, into rank 1's slot
+    hits = [s.prefix.stats() for s in core.schedulers]
+    assert [h["hits"] for h in hits] == [0, 1] and hits[1]["tier_hits"] == {"device": 0, "host": 2, "file": 0}
+    assert all(s.prefix.snapshots is core.schedulers[0].prefix.snapshots for s in core.schedulers)
+    core.runner.copies.clear()
+    (c,), (rank_c,) = run(prompt)  # both ranks idle: rank 0 again, where the blocks are still on the device
+    assert rank_c == 0 and c.num_cached_tokens == 8 and c.outputs[0].token_ids == a.outputs[0].token_ids
+    assert not [x for x in core.runner.copies if x[0] == "write"]
+    assert core.schedulers[0].prefix.stats()["tier_hits"]["device"] == 2
 
 
 # ---- settings (no devices needed) -------------------------------------------------------------------
@@ -206,9 +283,13 @@ def test_engine_config_refuses_unsupported_settings_with_sharding():
     ok = {"sharding": "cpu-dp2-ep4", "chunking": "tokens", "enable_prefix_caching": False}
     assert EngineConfig(**ok).sharding == "cpu-dp2-ep4"
     assert EngineConfig(**{**ok, "chunking": "cost"}).chunking == "cost"  # cost-model chunking per rank
-    for field, value in (("enable_prefix_caching", True), ("decoder_replay", True)):
-        with pytest.raises(ValueError, match=field):
-            EngineConfig(**{**ok, field: value})
+    # prefix caching (per rank) and decoder bounded replay run with DP (issue 22)
+    both = EngineConfig(**{**ok, "enable_prefix_caching": True, "decoder_replay": True})
+    assert both.enable_prefix_caching and both.decoder_replay
+    assert EngineConfig(sharding="cpu-dp2-ep4").enable_prefix_caching  # the default now holds with sharding
+    for value in ("dspark", "fixed"):  # speculation does not run with DP yet
+        with pytest.raises(ValueError, match="speculation"):
+            EngineConfig(**{**ok, "speculation": value})
     with pytest.raises(ValueError, match="sharding"):
         EngineConfig(**{**ok, "sharding": 8})
 
@@ -382,3 +463,42 @@ def test_bad_presets_give_a_clear_error(checks):
     assert row["error"] == "ShardingError" and row["field"] == "eplb.enabled" and "['tp']" in row["message"], row
     row = checks["ragged_on_cpu"]
     assert row["error"] == "ShardingError" and row["field"] == "eplb.dispatch" and "all_to_all" in row["message"], row
+
+
+# ---- prefix caching and decoder bounded replay on 8 fake devices (issue 22; a subprocess) -----------------
+
+PREFIX_PRESETS = ("cpu-dp2-ep4", "cpu-dp8-ep1")
+
+
+@pytest.fixture(scope="module")
+def prefix_checks() -> dict[str, dict]:
+    return run_checks("dp_prefix_check.py", *PREFIX_PRESETS, timeout=600)
+
+
+@pytest.mark.parametrize("preset", PREFIX_PRESETS)
+def test_prefix_caching_equals_one_device_and_hits(prefix_checks, preset):
+    row = prefix_checks[f"prefix_{preset}"]
+    assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == 17 * 6, row
+    assert row["num_logprobs"] == 17 * 6 and row["max_logprob_diff"] < 1e-4, row
+    cached = row["cached"]
+    assert cached[5:] == row["ref_cached"][5:] and min(cached[5:10]) > 0, row  # every repeat and extension hit
+    assert row["prefix"]["hits"] == sum(row["rank_hits"]) >= 10 and row["prefix"]["hit_tokens"] == sum(cached), row
+    assert sum(1 for h in row["rank_hits"] if h) >= 2, row  # hits on more than one rank
+    assert row["shared_windows"] and row["windows"] > 0 and not row["recompiled"] and not row["unfinished"], row
+
+
+def test_prefix_hits_cross_ranks_through_the_host_tier(prefix_checks):
+    row = prefix_checks["prefix_cpu-dp8-ep1"]  # the repeats land on other ranks than their prefixes' producers
+    assert row["prefix"]["tier_hits"]["host"] > row["ref_prefix"]["tier_hits"]["host"], row
+    assert row["prefix"]["tier_hits"]["device"] > 0, row
+
+
+@pytest.mark.parametrize("preset", PREFIX_PRESETS)
+def test_decoder_replay_equals_one_device(prefix_checks, preset):
+    row = prefix_checks[f"decoder_{preset}"]
+    assert row["decoder_replay"] and set(row["decoder_keep"]) == {4}, row
+    assert row["ids_equal"] and row["reasons_equal"] and row["max_logprob_diff"] < 1e-4, row
+    assert row["sync_ids_equal"] and row["sync_max_logprob_diff"] < 1e-4, row
+    # the prompt within the kept tokens is exact; the longer ones are approximate, as on one device
+    assert row["differs_from_exact"] == [False, True, True, True, True], row
+    assert not row["recompiled"] and not row["unfinished"], row

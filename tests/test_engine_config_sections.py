@@ -74,10 +74,11 @@ def test_each_section_validates_its_fields(section, field, value):
 def test_cross_section_rules_and_unknown_names():
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
-    with pytest.raises(ValueError, match="enable_prefix_caching must be False with sharding"):
-        EngineConfig(sharding="cpu-dp2-ep4")
+    with pytest.raises(ValueError, match="speculation must be 'auto' or 'none' with sharding"):
+        EngineConfig(sharding="cpu-dp2-ep4", speculation="dspark")
     preset = resolve_preset("cpu-dp2-ep4")
     assert isinstance(preset, ShardingPreset)
-    assert EngineConfig(sharding=preset, enable_prefix_caching=False).parallel.sharded
+    sharded = EngineConfig(sharding=preset, decoder_replay=True)  # prefix caching and decoder replay run with DP
+    assert sharded.parallel.sharded and sharded.enable_prefix_caching and sharded.decoder_replay
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_seqs'"):
         EngineConfig(max_seqs=4)

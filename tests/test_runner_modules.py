@@ -37,5 +37,22 @@ def test_a_mesh_without_a_preset_is_refused_naming_both():
     cc = CacheConfig(block_size=16, num_blocks=4, max_requests=2, max_blocks_per_request=2)
     with pytest.raises(ValueError, match="mesh and preset"):
         ModelRunner(ModelConfig.tiny(), None, cc, bk, mesh=object())
-    with pytest.raises(ValueError, match="decoder_replay: not supported over a device mesh"):
-        ModelRunner(ModelConfig.tiny(), None, cc, bk, decoder_replay=True, mesh=object(), preset="cpu-dp2-ep4")
+    with pytest.raises(ValueError, match="mesh and preset"):  # decoder_replay runs over a mesh (issue 22)
+        ModelRunner(ModelConfig.tiny(), None, cc, bk, decoder_replay=True, mesh=object())
+
+
+def test_the_prefix_cache_copies_name_a_rank_of_the_runner():
+    """The block and window copies take the DP rank they touch (over a mesh: its slice of the stacked cache; the
+    copies' equality with one device is in ``tests/test_dp_engine.py``); one device has rank 0 only."""
+    from deepinfer_jax import ModelConfig
+    from deepinfer_jax.config import CacheConfig
+    from deepinfer_jax.runner import Buckets, ModelRunner
+
+    bk = Buckets(tokens=(8,), requests=(2,), blocks=(2,))
+    cc = CacheConfig(block_size=16, num_blocks=4, max_requests=2, max_blocks_per_request=2)
+    runner = ModelRunner(ModelConfig.tiny(), None, cc, bk)
+    for copy in (lambda: runner.snapshot_swa(0, rank=1), lambda: runner.read_blocks([0], rank=-1),
+                 lambda: runner.restore_swa(0, None, [], 0, rank=2), lambda: runner.write_blocks([0], [{}], rank=1)):
+        with pytest.raises(ValueError, match=r"rank must lie in \[0, 1\)"):
+            copy()
+    assert runner.block_payloads(runner.read_blocks([1], rank=0))[0].keys() == set(runner._global_names)

@@ -79,7 +79,7 @@ class _InFlight:
     pending: PendingStep | None  # set once the sampling is dispatched
     launched: float
     snapshots: list = field(default_factory=list)  # (request, position, device arrays) to save
-    writeback: tuple | None = None  # (digests, device rows) of newly cached blocks for the lower tiers
+    writebacks: list = field(default_factory=list)  # (digests, device rows) of newly cached blocks for the lower tiers
     spec: object = None  # speculative decoding: what the step's plan assumed
     crossings: dict = field(default_factory=dict)  # verify chunk index -> window copy if it crossed a block
     started: float = 0.0  # when the step() that scheduled it began
@@ -163,11 +163,26 @@ class EngineCore:
                     request_id: str | None = None, arrival: float | None = None) -> str:
         req = self._new_request(self.validate(prompt_ids, params, request_id), params, prompt, request_id, arrival)
         self.scheduler.add(req)
-        prefix = self.scheduler.prefix
-        if self._io is not None and prefix is not None and prefix.files is not None:
-            # start reading its blocks from the store while earlier work runs
-            self._io_futures.append(self._io.submit(prefix.prefetch, list(prefix.digests(req))))
+        self._prefetch(req, self.scheduler)
         return req.request_id
+
+    def _prefetch(self, req: Request, scheduler: Scheduler) -> None:
+        """Start reading a new request's blocks from the file store while earlier work runs."""
+        prefix = scheduler.prefix
+        if self._io is not None and prefix is not None and prefix.files is not None:
+            self._io_futures.append(self._io.submit(prefix.prefetch, list(prefix.digests(req))))
+
+    def _scheduler_of(self, r: Request) -> Scheduler:
+        """The scheduler an unfinished request runs under (``DPEngineCore``: its DP rank's)."""
+        return self.scheduler
+
+    def _at_rank(self, r: Request) -> dict:
+        """The runner's cache-copy arguments naming an unfinished request's DP rank (one device: none)."""
+        return {}
+
+    def _ranks(self) -> list[tuple[Scheduler, dict]]:
+        """(scheduler, the runner's cache-copy arguments) of every rank (one device: the one scheduler)."""
+        return [(self.scheduler, {})]
 
     def add_continuation(self, prompt_ids, output_ids, params: SamplingParams, *, prompt: str | None = None,
                          request_id: str | None = None, admit: AdmitState | None = None,
@@ -265,18 +280,7 @@ class EngineCore:
         finished: list[RequestOutput] = []
         launched = None
         if plan.chunks:
-            for c in plan.chunks:  # prefix-cache hits: their saved windows go into their slots first
-                if c.request.uploads:
-                    ids, payloads = zip(*c.request.uploads)
-                    self.runner.write_blocks(list(ids), list(payloads))
-                    c.request.uploads = None
-                if c.request.slot_state is not None:  # engine roles: the whole slot from another engine
-                    self.runner.restore_slot(c.request.slot, c.request.slot_state)
-                    c.request.slot_state = None
-                if c.request.restore is not None:
-                    pos, snap = c.request.restore
-                    self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos), pos)
-                    c.request.restore = None
+            self._restore_states(plan.chunks)
             vplan = caps = planned = None
             if self.spec is not None:
                 vplan, caps, planned, draft = self.spec.plan(plan.chunks, fresh=prev is None)
@@ -301,12 +305,7 @@ class EngineCore:
                 prev.compiled = True
             if self.on_launch is not None:  # engine roles: the prefill instance copies final states here
                 self.on_launch(launched)
-            prefix = self.scheduler.prefix
-            if prefix is not None:  # window copies and block reads right behind the model step
-                self._take_snapshots(launched)
-                if prefix.new_blocks:
-                    new, prefix.new_blocks = prefix.new_blocks, []
-                    launched.writeback = ([d for _, d in new], self.runner.read_blocks([b for b, _ in new]))
+            self._copies_behind(launched)
             if rows and masks is None:
                 masks, done = self._masks_beside_reconcile(prev, lambda: self.structured.submit(fwd.rows, rows))
                 finished += done
@@ -348,6 +347,34 @@ class EngineCore:
         step, self._inflight = self._inflight, None
         return self._reconcile(step) if step is not None else []
 
+    def _restore_states(self, chunks) -> None:
+        """Prefix-cache hits: their uploaded blocks and saved windows go into their slots (on their DP rank)
+        before the step; engine roles: a whole slot from another engine."""
+        for c in chunks:
+            at = self._at_rank(c.request)
+            if c.request.uploads:
+                ids, payloads = zip(*c.request.uploads)
+                self.runner.write_blocks(list(ids), list(payloads), **at)
+                c.request.uploads = None
+            if c.request.slot_state is not None:  # engine roles: the whole slot from another engine
+                self.runner.restore_slot(c.request.slot, c.request.slot_state)
+                c.request.slot_state = None
+            if c.request.restore is not None:
+                pos, snap = c.request.restore
+                self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos), pos, **at)
+                c.request.restore = None
+
+    def _copies_behind(self, step: _InFlight) -> None:
+        """Prefix caching: window copies and every rank's newly cached block reads right behind the model step."""
+        if self.scheduler.prefix is None:
+            return
+        self._take_snapshots(step)
+        for scheduler, at in self._ranks():
+            prefix = scheduler.prefix
+            if prefix.new_blocks:
+                new, prefix.new_blocks = prefix.new_blocks, []
+                step.writebacks.append(([d for _, d in new], self.runner.read_blocks([b for b, _ in new], **at)))
+
     def _take_snapshots(self, step: _InFlight) -> None:
         """Copy windows on the device right behind the step: at the prefill point P (saved when the
         step is reconciled) and at each block boundary a request reaches (the latest kept per
@@ -360,14 +387,15 @@ class EngineCore:
             if c.verify:  # it may cross a block boundary: copy now, keep it if it did (``_crossed``)
                 hi = r.max_tokens_on_device - 1  # the latest boundary this step can reach
                 if hi // bs * bs > c.start and not r.approximate and not r.decoder_from:
-                    step.crossings[i] = self.runner.snapshot_swa(r.slot)
+                    step.crossings[i] = self.runner.snapshot_swa(r.slot, **self._at_rank(r))
             elif end in r.snapshot_points:
-                step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot)))
+                step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot, **self._at_rank(r))))
                 r.snapshot_points.remove(end)
             elif end % bs == 0 and c.start >= len(r.prompt_ids) and not r.approximate and not r.decoder_from:
-                r.swa_copy = (end, self.runner.snapshot_swa(r.slot))
+                r.swa_copy = (end, self.runner.snapshot_swa(r.slot, **self._at_rank(r)))
 
     def _save_snapshot(self, r: Request, position: int, arrays) -> None:
+        # digests and the window store are every rank's (``DPEngineCore`` shares rank 0's window store)
         prefix = self.scheduler.prefix
         digest = prefix.digest_at(r, position)
         if digest is not None and digest not in prefix.snapshots:
@@ -437,7 +465,7 @@ class EngineCore:
             self.spec.observe(step.plan.chunks, results, step.pending, step.spec, None if step.compiled else period_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
-        self._write_back([step.writeback] if step.writeback is not None else [])
+        self._write_back(step.writebacks)
         finished = []
         for i, (chunk, res) in enumerate(zip(step.plan.chunks, results)):
             r = chunk.request
@@ -505,13 +533,15 @@ class EngineCore:
         return True
 
     def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
-        prefix = self.scheduler.prefix
+        scheduler = self._scheduler_of(r)
+        prefix = scheduler.prefix
         if prefix is not None:  # blocks completed by the last reconciled step (speculative rows learn it here)
             prefix.register(r)
             if prefix.new_blocks:  # copy them off the device now, before a later step may reuse the blocks
                 new, prefix.new_blocks = prefix.new_blocks, []
-                self._late_writeback.append(([d for _, d in new], self.runner.read_blocks([b for b, _ in new])))
+                self._late_writeback.append(([d for _, d in new],
+                                             self.runner.read_blocks([b for b, _ in new], **self._at_rank(r))))
         if r.swa_copy is not None and prefix is not None:
             self._save_snapshot(r, *r.swa_copy)
         r.swa_copy = None
-        self.scheduler.finish(r, reason, stop_reason)
+        scheduler.finish(r, reason, stop_reason)

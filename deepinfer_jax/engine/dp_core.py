@@ -23,9 +23,17 @@ Structured output: the token masks of every rank's constrained rows are computed
 ``[dp * rows, words]`` mask, row ``d * rows + k`` for rank d's k-th request (``Forward.chunk_rows``),
 which the DP sampling program applies.
 
-Not supported with DP yet (each refused with a clear error naming the setting): prefix caching
-(``enable_prefix_caching``) and decoder bounded replay (``decoder_replay``); ``EngineConfig``
-refuses both when ``sharding`` is set.
+Prefix caching (docs/prefix_cache.md) runs per rank: each rank's scheduler has its own ``PrefixCache`` over
+its own block pool (device hits, hit accounting), and the runner's block and window copies target the
+request's rank's slice of the stacked cache (``rank=``). The lower tiers (host memory, the file store) and
+the SWA window store are shared by every rank (rank 0's window store serves all; payloads and windows are
+rank-independent host arrays), so a prefix computed on one rank is a hit on another through them: its
+blocks are uploaded into that rank's pool and its window restored into that rank's slot. The router does
+not look at prefixes (``pick_rank`` balances load only). Decoder bounded replay (``decoder_replay``) runs
+on every rank as on one device.
+
+Not supported with DP yet: speculative decoding (``EngineConfig`` refuses ``speculation`` with
+``sharding``), and the engine roles' continuations (``add_continuation``, refused with a ValueError).
 """
 
 from __future__ import annotations
@@ -84,14 +92,22 @@ class DPEngineCore(EngineCore):
         schedulers = list(schedulers)
         if len(schedulers) != runner.dp_size:
             raise ValueError(f"schedulers: one per DP rank ({runner.dp_size}), got {len(schedulers)}")
+        first = schedulers[0].prefix if schedulers else None
         for s in schedulers:
-            if s.prefix is not None:
-                raise ValueError("enable_prefix_caching: prefix caching is not supported with attention data "
-                                 "parallel yet (set it to False)")
             if s.chunking == "cost" and s.cost_model is not schedulers[0].cost_model:
                 raise ValueError("chunking: with chunking='cost' every DP rank's scheduler must share one cost model")
-            if s.decoder_keep is not None:
-                raise ValueError("decoder_replay: not supported with attention data parallel yet")
+            if s.decoder_keep != schedulers[0].decoder_keep:
+                raise ValueError("decoder_replay: every DP rank's scheduler must keep the same decoder tokens")
+            if (s.prefix is None) != (first is None):
+                raise ValueError("enable_prefix_caching: every DP rank's scheduler must have prefix caching, or none")
+            if s.prefix is not None:
+                if s.prefix.extra != first.extra or s.prefix.block_size != first.block_size:
+                    raise ValueError("enable_prefix_caching: every DP rank's prefix cache must use the same digests "
+                                     "(model, cache_salt, block_size)")
+                if s.prefix.host is not first.host or s.prefix.files is not first.files:
+                    raise ValueError("host_store_bytes: every DP rank's prefix cache must share one host store and "
+                                     "one block store")
+                s.prefix.snapshots = first.snapshots  # one window store: a window saved on one rank serves all
         super().__init__(runner, schedulers[0], tokenizer=tokenizer, eos_token_id=eos_token_id, seed=seed,
                          async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=structured)
         self.schedulers = schedulers
@@ -122,11 +138,26 @@ class DPEngineCore(EngineCore):
         self._rank[req.request_id] = rank
         self.rank_requests[rank] += 1
         self.schedulers[rank].add(req)
+        self._prefetch(req, self.schedulers[rank])
         return req.request_id
+
+    def add_continuation(self, *args, **kwargs) -> str:
+        """Not supported with DP yet: ValueError (a continuation would need a rank and, with ``admit``, the
+        whole-slot copies that the runner over a mesh lacks)."""
+        raise ValueError("add_continuation: engine roles are not supported with attention data parallel yet")
 
     def rank_of(self, request_id: str) -> int | None:
         """The DP rank of an unfinished request (None once it ended)."""
         return self._rank.get(request_id)
+
+    def _scheduler_of(self, r: Request) -> Scheduler:
+        return self.schedulers[self._rank[r.request_id]]
+
+    def _at_rank(self, r: Request) -> dict:
+        return {"rank": self._rank[r.request_id]}
+
+    def _ranks(self) -> list[tuple[Scheduler, dict]]:
+        return [(s, {"rank": d}) for d, s in enumerate(self.schedulers)]
 
     @property
     def has_unfinished(self) -> bool:
@@ -149,6 +180,7 @@ class DPEngineCore(EngineCore):
             slowest = max(costed, key=lambda p: p.predicted_ns)
             plan.predicted_ns, plan.cost_shape = slowest.predicted_ns, slowest.shape()
         if plan.chunks:
+            self._restore_states(plan.chunks)  # prefix-cache hits: uploads and windows into their rank's slots
             specs = [[self._spec(c) for c in p.chunks] for p in plans]
             rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
                     if c.sample and c.request.matcher is not None]  # (matcher, chunk index)
@@ -163,6 +195,7 @@ class DPEngineCore(EngineCore):
             launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
             if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
                 prev.compiled = True
+            self._copies_behind(launched)  # window copies and block reads right behind the model step
             if rows and masks is None:
                 masks, done = self._masks_beside_reconcile(
                     prev, lambda: self.structured.submit(fwd.rows, [(m, fwd.chunk_rows[i]) for m, i in rows]))
@@ -216,4 +249,5 @@ class DPEngineCore(EngineCore):
                 "eplb_max_replicas": int(reb.placement.replica_count.max())}
 
     def _finish(self, r: Request, reason: str, stop_reason=None) -> None:
-        self.schedulers[self._rank.pop(r.request_id)].finish(r, reason, stop_reason)
+        super()._finish(r, reason, stop_reason)  # on its rank's scheduler, prefix cache and cache slice
+        self._rank.pop(r.request_id)

@@ -24,9 +24,13 @@ The only place that converts between host data (lists of ids, block tables) and 
 donated to the step; shapes are bucketed and all buckets compile in ``precompile``; ``traces``
 counts compilations so tests can assert that a long mixed run never recompiles.
 
-Over a mesh the logits-only ``execute`` and the prefix cache's block and window copies are not
-supported yet (``ValueError``); several processes (``jax.distributed``) pass the same host inputs,
-which become global arrays (``parallel.mesh.put_global``).
+The prefix cache's copies (``snapshot_swa`` / ``restore_swa``, ``read_blocks`` / ``write_blocks``) take the DP
+``rank`` whose slot or blocks they touch: over a mesh they copy into and out of that rank's slice of the stacked
+cache (what they read comes back replicated, host payloads and windows are rank-independent), on one device
+``rank`` is 0 and the programs are the single-cache ones. Decoder bounded replay (``decoder_replay``) pads every
+rank's decoder tokens to one bucket. Over a mesh the logits-only ``execute`` and the engine roles' whole-slot
+copies (``snapshot_slot`` / ``restore_slot``) are not supported yet (``ValueError``); several processes
+(``jax.distributed``) pass the same host inputs, which become global arrays (``parallel.mesh.put_global``).
 """
 
 from __future__ import annotations
@@ -63,15 +67,23 @@ from deepinfer_jax.runner.step_programs import count_trace, forward_step_flat, l
 __all__ = ["ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "StepInputError"]
 
 
-def _snapshot(cache, slot):
-    """The slot's SWA ring of every layer (a copy; [L, cap, ...] per storage leaf)."""
-    return jax.tree.map(lambda a: a[:, slot], cache["swa"])
+def _snapshot(cache, slot, at=()):
+    """The slot's SWA ring of every layer (a copy; [L, cap, ...] per storage leaf). ``at``: the leading
+    index of a stacked cache (over a mesh: ``(rank,)``, the DP rank's slice; one device: none)."""
+    return jax.tree.map(lambda a: a[(*at, slice(None), slot)], cache["swa"])
 
 
-def _restore(cache, slot, rows, engram_pos, engram_ids):
+def _rank_snapshot(cache, slot, at):
+    """``_snapshot`` of DP rank ``at[0]``'s slot in a stacked cache, as a gather: GSPMD partitions it locally (each
+    device reads its own rank's slice, masked, and one all-reduce of the window's size combines them), where a
+    dynamic slice along the sharded rank axis would gather every rank's rings first."""
+    return jax.tree.map(lambda a: a[at[0][None], :, slot][0], cache["swa"])
+
+
+def _restore(cache, slot, rows, engram_pos, engram_ids, at=()):
     """Write a saved ring into ``slot`` and its Engram look-back (``_set_engram``)."""
-    cache = {**cache, "swa": jax.tree.map(lambda a, r: a.at[:, slot].set(r), cache["swa"], rows)}
-    return _set_engram(cache, slot, engram_pos, engram_ids)
+    cache = {**cache, "swa": jax.tree.map(lambda a, r: a.at[(*at, slice(None), slot)].set(r), cache["swa"], rows)}
+    return _set_engram(cache, slot, engram_pos, engram_ids, at)
 
 
 def _slot_state(cache, slot):
@@ -93,23 +105,25 @@ def _set_slot_state(cache, slot, state):
     return out
 
 
-def _read_blocks(cache, block_ids):
+def _read_blocks(cache, block_ids, at=()):
     """Every KV-source layer's stored rows of ``block_ids`` [n] (the block axis first)."""
-    return jax.tree.map(lambda a: a[block_ids], cache["global"])
+    return jax.tree.map(lambda a: a[(*at, block_ids)], cache["global"])
 
 
-def _write_blocks(cache, block_ids, rows):
+def _write_blocks(cache, block_ids, rows, at=()):
     """Write rows into ``block_ids``; out-of-range ids (padding) write nothing."""
-    return {**cache, "global": jax.tree.map(lambda a, r: a.at[block_ids].set(r, mode="drop"), cache["global"], rows)}
+    return {**cache, "global": jax.tree.map(lambda a, r: a.at[(*at, block_ids)].set(r, mode="drop"), cache["global"],
+                                            rows)}
 
 
-def _set_engram(cache, slot, engram_pos, engram_ids):
+def _set_engram(cache, slot, engram_pos, engram_ids, at=()):
     """Put token ``engram_ids`` [n-1] at positions ``engram_pos`` [n-1] of ``slot``'s Engram ring (-1 = none)."""
     if "engram" not in cache:
         return cache
     ring = cache["engram"]
-    at = (jnp.where(engram_pos >= 0, slot, ring.shape[0]), jnp.mod(engram_pos, ring.shape[1]))
-    return {**cache, "engram": ring.at[at].set(engram_ids, mode="drop")}
+    slots, size = ring.shape[len(at)], ring.shape[len(at) + 1]
+    where = (*at, jnp.where(engram_pos >= 0, slot, slots), jnp.mod(engram_pos, size))
+    return {**cache, "engram": ring.at[where].set(engram_ids, mode="drop")}
 
 
 @dataclass
@@ -164,8 +178,6 @@ class ModelRunner:
             raise ValueError("decoder_replay needs a model with decoder layers (a CED split)")
         if (mesh is None) != (preset is None):
             raise ValueError("mesh and preset: give both (a device mesh) or neither (one device)")
-        if decoder_replay and mesh is not None:
-            raise ValueError("decoder_replay: not supported over a device mesh yet")
         self.decoder_replay = decoder_replay
         self.mesh, self.preset, self.dp_size = mesh, None, 1
         #: The EPLB placement of the experts' physical slots (None: no EP MoE).
@@ -234,6 +246,16 @@ class ModelRunner:
         else:
             self.manual_axes = tuple(mesh.axis_names)
             self.tables = self._device_tables(self.placement)
+        # the prefix cache's copies into and out of one rank's slice of the stacked cache (``at=(rank,)``):
+        # what they read comes back replicated (every process reads it), the cache keeps its layout
+        self._snapshot_fn = jax.jit(_rank_snapshot, out_shardings=self._replicated)
+        self._read_blocks_fn = jax.jit(_read_blocks, out_shardings=self._replicated)
+        self._restore_fn = jax.jit(_restore, donate_argnums=(0,), out_shardings=dp)
+        self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,), out_shardings=dp)
+        self._write_blocks_fn = jax.jit(_write_blocks, donate_argnums=(0,), out_shardings=dp)
+        one_rank = jax.eval_shape(lambda c: jax.tree.map(lambda a: a[0], c["global"]), self.cache)
+        flat, self._global_def = jax.tree_util.tree_flatten_with_path(one_rank)
+        self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
         flat, treedef = jax.tree_util.tree_flatten(param_sh)
         self._forward_fn, self._sample_fn = mesh_step.programs(cfg, cache_cfg, mesh, preset.dp_axes, self.manual_axes,
                                                                self.ep_spec, tuple(x.spec for x in flat), treedef)
@@ -293,7 +315,7 @@ class ModelRunner:
             if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
                 self.set_placement(self.placement)
             sampling = True
-        elif sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet)
+        if sampling:  # the prefix cache's window copy and restore (slot 0 holds nothing yet; over a mesh rank 0's)
             self.restore_swa(0, self.snapshot_swa(0), [], 0)
             self.restore_swa(0, None, [], 0)
             self.block_payloads(self.read_blocks([0]))
@@ -311,11 +333,22 @@ class ModelRunner:
             if progress is not None:
                 progress(i + 1, len(shapes))
 
-    def snapshot_swa(self, slot: int):
+    def _at(self, rank: int) -> tuple:
+        """The copy programs' trailing arguments for DP rank ``rank``'s slice of the cache: none on one device
+        (its programs are the ones without ``at``), ``((rank,),)`` over a mesh. ValueError for a rank out of range."""
+        if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.dp_size):
+            raise ValueError(f"rank must lie in [0, {self.dp_size}), got {rank!r}")
+        return () if self.mesh is None else ((np.int32(rank),),)
+
+    def _host_args(self, *host):
+        """Host arguments of a copy program (global arrays when several processes run the mesh)."""
+        return host if self.mesh is None else self._global(host, self._replicated)
+
+    def snapshot_swa(self, slot: int, rank: int = 0):
         """Dispatch a copy of ``slot``'s SWA rings (all layers) as they are after the launched steps;
-        returns device arrays at once (``to_host`` fetches them)."""
-        self._one_device("snapshot_swa")
-        return self._snapshot_fn(self.cache, np.int32(slot))
+        returns device arrays at once (``to_host`` fetches them). ``rank``: the DP rank whose slot it is."""
+        at = self._at(rank)
+        return self._snapshot_fn(self.cache, *self._host_args(np.int32(slot), *at))
 
     @staticmethod
     def to_host(snapshot):
@@ -332,16 +365,17 @@ class ModelRunner:
             pos[n - len(tail):] = np.arange(position - len(tail), position)
         return pos, ids
 
-    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int], position: int) -> None:
+    def restore_swa(self, slot: int, snapshot, engram_ids: Sequence[int], position: int, rank: int = 0) -> None:
         """Put a saved ring (from ``snapshot_swa``, on device or host) into ``slot`` before its next step,
         with the Engram look-back (the token ids just before ``position``, the restored length);
-        ``snapshot=None`` sets only the look-back (a bounded replay rebuilds the window)."""
-        self._one_device("restore_swa")
+        ``snapshot=None`` sets only the look-back (a bounded replay rebuilds the window). ``rank``: the DP
+        rank whose slot it is (a window saved on any rank restores on any other)."""
+        at = self._at(rank)
         pos, ids = self._engram_ids(engram_ids, position)
         if snapshot is None:
-            self.cache = self._set_engram_fn(self.cache, np.int32(slot), pos, ids)
+            self.cache = self._set_engram_fn(self.cache, *self._host_args(np.int32(slot), pos, ids, *at))
         else:
-            self.cache = self._restore_fn(self.cache, np.int32(slot), snapshot, pos, ids)
+            self.cache = self._restore_fn(self.cache, *self._host_args(np.int32(slot), snapshot, pos, ids, *at))
 
     def snapshot_slot(self, slot: int) -> dict[str, np.ndarray]:
         """Dispatch a copy of ``slot``'s whole per-request state (SWA rings, compressor groups, Engram
@@ -372,11 +406,12 @@ class ModelRunner:
         ids = list(block_ids)
         return [np.asarray(ids[i : i + k] + [pad] * (k - len(ids[i : i + k])), np.int32) for i in range(0, len(ids), k)]
 
-    def read_blocks(self, block_ids: Sequence[int]):
+    def read_blocks(self, block_ids: Sequence[int], rank: int = 0):
         """Dispatch a copy of the blocks' stored rows (after the launched steps): device arrays,
-        to pass to ``block_payloads`` later."""
-        self._one_device("read_blocks")
-        return len(block_ids), [self._read_blocks_fn(self.cache, ids) for ids in self._io_ids(block_ids, 0)]
+        to pass to ``block_payloads`` later. ``rank``: the DP rank whose blocks they are."""
+        at = self._at(rank)
+        return len(block_ids), [self._read_blocks_fn(self.cache, *self._host_args(ids, *at))
+                                for ids in self._io_ids(block_ids, 0)]
 
     def block_payloads(self, read) -> list[dict[str, np.ndarray]]:
         """Host payloads (name -> array, one block each) of a ``read_blocks`` result."""
@@ -387,15 +422,18 @@ class ModelRunner:
             out += [{name: leaf[i] for name, leaf in zip(self._global_names, leaves)} for i in range(len(leaves[0]))]
         return out[:n]
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[dict[str, np.ndarray]]) -> None:
-        """Put stored rows (payloads from a block store) into device blocks before the next step."""
-        self._one_device("write_blocks")
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[dict[str, np.ndarray]], rank: int = 0) -> None:
+        """Put stored rows (payloads from a block store) into device blocks before the next step. ``rank``: the DP
+        rank whose blocks they are (the payloads are rank-independent: a block read on one rank fills another's)."""
+        at = self._at(rank)
         k = self.cache_cfg.max_blocks_per_request
         for g, ids in enumerate(self._io_ids(block_ids, self.cache_cfg.num_blocks)):
             part = list(payloads[g * k : (g + 1) * k])
             part += [part[0]] * (k - len(part))
-            rows = [np.stack([p[name] for p in part]) for name in self._global_names]
-            self.cache = self._write_blocks_fn(self.cache, ids, jax.tree_util.tree_unflatten(self._global_def, rows))
+            rows = jax.tree_util.tree_unflatten(self._global_def,
+                                                [np.stack([p[name] for p in part]) for name in self._global_names])
+            ids, rows, *at_ = self._host_args(ids, rows, *at)
+            self.cache = self._write_blocks_fn(self.cache, ids, rows, *at_)
 
     def launch(self, chunks) -> PendingStep:
         """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``); ``result()``
@@ -493,6 +531,10 @@ class ModelRunner:
     def _forward(self, chunks_by_rank, n: int, r: int, b: int, d: int | None = None) -> Forward:
         """Every rank's inputs padded to one shape; one device runs its rank's directly, a mesh stacks them."""
         slots, dp = self.cache_cfg.max_requests, self.dp_size
+        if self.decoder_replay and d is None and self.mesh is not None:  # one decoder-token bucket for every rank
+            most = max(sum(max(0, len(c.token_ids) - max(0, c.decoder_from - c.ctx_len)) for c in cs)
+                       for cs in chunks_by_rank)
+            d = Buckets.pick(self.buckets.tokens, max(1, most), "decoder tokens in the step")
         inputs, feeds, samplings, sample_slots = [], [], [], []
         for rank, chunks in enumerate(chunks_by_rank):
             inp = build_inputs(chunks, n, r, b, slots)
