@@ -24,8 +24,9 @@ import jax.numpy as jnp
 
 from deepinfer_jax.model.qweight import QWeight, decode, dequantize
 
-#: Float32 bytes of one decoded weight tile (a CPU L2-sized working set).
-TILE_BYTES = 1 << 20
+#: Float32 bytes of one decoded weight tile (4 MiB: measured faster than 1, 2 or 8 MiB for the shipped
+#: head at 1-32 rows on this 2-core machine, docs/residency.md).
+TILE_BYTES = 4 << 20
 #: Tiles are a multiple of this many rows (the dot kernel's column tile on XLA:CPU, see above).
 ALIGN_ROWS = 64
 
