@@ -19,28 +19,13 @@ from flax import nnx
 
 from deepinfer_jax.model import qweight
 from deepinfer_jax.model.layers import Linear, matmul_t
+from deepinfer_jax.model.routing import route, swiglu
 from deepinfer_jax.ops import dispatch
 from deepinfer_jax.ops.grouped_matmul import grouped_matmul
 from deepinfer_jax.ops.grouped_matmul.reference import moe_experts
 from deepinfer_jax.ops.quantized_matmul import quantized_grouped_matmul
 
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    """``silu(min(gate, limit)) * clip(up, -limit, limit)`` in fp32 (no clamp when limit <= 0)."""
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if limit > 0:
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
-
-
-def route(logits_NE: jax.Array, bias_E: jax.Array, k: int, scale: float, renormalize: bool):
-    """(weights [N, k] fp32, expert ids [N, k]) from fp32 router logits."""
-    s = jnp.sqrt(jax.nn.softplus(logits_NE.astype(jnp.float32)))
-    _, ids = jax.lax.top_k(s + bias_E.astype(jnp.float32), k)
-    w = jnp.take_along_axis(s, ids, axis=-1)
-    if renormalize and k > 1:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * scale, ids
+__all__ = ["MLP", "Experts", "Gate", "MoE", "route", "swiglu"]
 
 
 class Gate(nnx.Module):
@@ -92,7 +77,7 @@ class MoE(nnx.Module):
     def __call__(self, x_BTd: jax.Array) -> jax.Array:
         shape = x_BTd.shape
         x = x_BTd.reshape(-1, shape[-1])
-        from deepinfer_jax.parallel import ep_model  # lazy: parallel.ep_moe imports route/swiglu from here
+        from deepinfer_jax.parallel import ep_model  # lazy: issue 22 item 3 removes it
 
         if ep_model.current() is not None:  # routed experts over the mesh's ep axis (shard_map)
             if qweight.is_quantized(self.experts.w1[...]):
