@@ -23,7 +23,7 @@ Two dispatch implementations (``EPConfig.dispatch``):
 ``ep_moe`` returns the routed output only (the shared expert is replicated and added outside) and
 ``EPStats``: per-slot token counts (summed over the mesh, for ``LoadStats``), passes, overflow.
 ``ep_moe_local`` is the per-device body, for callers already inside a ``shard_map`` (the engine's DP
-step, ``parallel.ep_model.step_experts``); it also skips padding tokens (neither sent nor counted).
+step, ``parallel.ep_model.StepEP``); it also skips padding tokens (neither sent nor counted).
 """
 
 from __future__ import annotations
