@@ -57,8 +57,8 @@ def dp_forward_ep(cfg, cache_cfg, moe, params, tables, cache, last_ids, feed, in
     ``params`` holds this device's expert slots, ``tables`` every layer's routing tables [L, ...]. -> (logits
     [1, R, V], the new cache, slot counts [L, P] of the whole mesh)."""
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    logits, cache, counts = forward_step(params, cfg, cache_cfg, first(cache), last_ids[0], feed[0], first(inputs),
-                                         moe, tables)
+    inp = first(inputs)
+    logits, cache, counts = forward_step(params, cfg, cache_cfg, first(cache), last_ids[0], feed[0], inp, moe, tables)
     return logits[None], jax.tree.map(lambda a: a[None], cache), counts
 
 
