@@ -256,18 +256,26 @@ def _sharded_forward(cfg, mesh: Mesh, preset: ShardingPreset, expert_parallel: b
     params_sh = param_shardings(abstract_params(cfg), mesh, preset)
     ids_sh = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None))
     logits_sh = NamedSharding(mesh, PartitionSpec(preset.dp_axes or None, None, preset.mesh_axes("vocab") or None))
+    if not expert_parallel:
+        return jax.jit(lambda params, ids: forward_full(params, cfg, ids), in_shardings=(params_sh, ids_sh),
+                       out_shardings=logits_sh)
+    from deepinfer_jax.model.moe_strategy import MoEStrategy
+    from deepinfer_jax.parallel.ep_model import EPConfig, MeshEP
 
-    def body(params, ids):
-        if not expert_parallel:
-            return forward_full(params, cfg, ids)
-        from deepinfer_jax.parallel.ep_model import EPConfig
-        from deepinfer_jax.parallel.ep_model import expert_parallel as ep_context
+    # the MoE layers run through shard_map (a static strategy); the identity tables are an argument
+    moe = MoEStrategy("ep", MeshEP(mesh, EPConfig(dispatch=preset.eplb.dispatch, ep_axis=preset.ep_axes[0])))
+    body = lambda params, ids, tables: forward_full(params, cfg, ids, moe=moe, moe_tables=tables)[0]
+    return jax.jit(body, in_shardings=(params_sh, ids_sh, NamedSharding(mesh, PartitionSpec())),
+                   out_shardings=logits_sh)
 
-        config = EPConfig(dispatch=preset.eplb.dispatch, ep_axis=preset.ep_axes[0])
-        with ep_context(mesh, config):  # read while tracing: the MoE layers run through shard_map
-            return forward_full(params, cfg, ids)
 
-    return jax.jit(body, in_shardings=(params_sh, ids_sh), out_shardings=logits_sh)
+def _identity_tables(cfg, ep_size: int) -> dict[str, np.ndarray]:
+    """Every layer's routing tables [L, ...] (int32) of the identity placement: slot ``e`` holds expert ``e``."""
+    from deepinfer_jax.parallel.ep_moe import TABLES
+    from deepinfer_jax.parallel.eplb import identity_placement
+
+    placement = identity_placement(cfg.num_hidden_layers, cfg.n_routed_experts, ep_size)
+    return {k: np.ascontiguousarray(getattr(placement, k), np.int32) for k in TABLES}
 
 
 def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | ShardingPreset | None = None,
@@ -276,8 +284,9 @@ def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | Shard
 
     The same function as ``deepinfer_jax.forward_full``, jitted with the rules' in/out shardings
     (GSPMD propagates the rest; the routed experts' weights stay split over the EP axes). With
-    ``expert_parallel`` the MoE layers instead run through ``shard_map`` (``parallel.ep_model``):
-    tokens travel to the ranks holding their experts with the preset's dispatch and come back.
+    ``expert_parallel`` the MoE layers instead run through ``shard_map`` (the ``"ep"`` MoE strategy with
+    ``parallel.ep_model.MeshEP``, the identity placement's routing tables a jit argument): tokens travel
+    to the ranks holding their experts with the preset's dispatch and come back.
     The batch is padded with copies of row 0 to a multiple of the DP size and the padding dropped
     again. Parameters not already on their shardings are placed first (``shard_params``). Every
     process of a multi-host run calls this with the same inputs; the result is a global array
@@ -298,7 +307,11 @@ def sharded_forward_full(params, cfg, token_ids, mesh: Mesh, preset: str | Shard
     fn = _sharded_forward(cfg, mesh, preset, bool(expert_parallel))
     params = shard_params(params, mesh, preset)
     ids = place(ids.astype(np.int32), NamedSharding(mesh, PartitionSpec(preset.dp_axes or None)))
-    logits = fn(params, ids)
+    if expert_parallel:
+        tables = _identity_tables(cfg, mesh.shape[preset.ep_axes[0]])
+        logits = fn(params, ids, place(tables, {k: NamedSharding(mesh, PartitionSpec()) for k in tables}))
+    else:
+        logits = fn(params, ids)
     return logits[:batch] if pad else logits
 
 

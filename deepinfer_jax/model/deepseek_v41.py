@@ -25,7 +25,11 @@ from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.host_arrays import to_device
 from deepinfer_jax.model.layers import Linear, RMSNorm, matmul_t
 from deepinfer_jax.model.moe import MoE
+from deepinfer_jax.model.moe_strategy import MoEStrategy, check_tables, layer_tables
 from deepinfer_jax.model.qweight import QWeight
+
+
+_AUTO = MoEStrategy()
 
 
 class Buffer(nnx.Variable):
@@ -63,24 +67,28 @@ class Block(HcSites):
         self.attn = Attention(cfg, layer, rngs=rngs)
         self.ffn = MoE(cfg, rngs=rngs)
 
+    def __call__(self, streams, pre, carry, attend, *, engram_rows=None, tap=None, moe: MoEStrategy = _AUTO,
+                 moe_tables=None, valid=None):
+        """The block's wiring, for every entry point: streams [B, T, n, d], pre [B, T, n] (fp32) ->
+        (streams, pre, carry, slot counts [P] of the ``"ep"`` MoE strategy or None).
 
-    def __call__(self, streams, pre, state: GlobalState, engram_rows=None, taps: list | None = None):
-        """streams [B, T, n, d], pre [B, T, n] (fp32) -> (streams, pre, state).
-
-        ``taps``: when given, the streams entering the attention site (after Engram) are appended
-        as their mean over the n streams, [B, T, d] (the DSpark target feature, model.md §4.9).
+        Engram write (``engram_rows`` [B, T, n_engram, ...]), then ``tap(streams)`` when given (the
+        streams entering the attention site: DSpark target features, model.md §4.9), then the
+        attention site, whose attention is ``attend(self.attn, x, carry) -> (out, carry)`` (the
+        full-sequence ``Attention.__call__`` or the paged step's), then the FFN site: the MoE under
+        ``moe`` with this layer's ``moe_tables`` and the tokens' validity ``valid``.
         """
         if self.engram_index is not None:
             streams = self.engram(streams, engram_rows[:, :, self.engram_index])
-        if taps is not None:
-            taps.append(jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype))
+        if tap is not None:
+            tap(streams)
         attn_mix = self.mix("attn", streams)
-        out, state = self.attn(self.attn_norm(mhc.collapse(streams, pre)), state)
+        out, carry = attend(self.attn, self.attn_norm(mhc.collapse(streams, pre)), carry)
         streams = mhc.expand(out, streams, attn_mix)
         ffn_mix = self.mix("ffn", streams)
-        out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre)))
+        out, counts = self.ffn.run(self.ffn_norm(mhc.collapse(streams, attn_mix.pre)), moe, moe_tables, valid)
         streams = mhc.expand(out, streams, ffn_mix)
-        return streams, ffn_mix.pre, state
+        return streams, ffn_mix.pre, carry, counts
 
 
 class DeepseekV41(nnx.Module):
@@ -102,13 +110,16 @@ class DeepseekV41(nnx.Module):
         return ngram_hash_ids(token_ids_BT, self.engram_token_map[...], hash_constants(cfg),
                               max_ngram=cfg.engram_max_ngram_size, pad_token_id=cfg.engram_pad_token_id)
 
-    def __call__(self, token_ids_BT: jax.Array, capture: tuple[int, ...] = ()):
+    def __call__(self, token_ids_BT: jax.Array, capture: tuple[int, ...] = (), moe: MoEStrategy = _AUTO,
+                 moe_tables=None):
         """Logits [B, T, V] in fp32 for every position of sequences that start at position 0.
 
         With ``capture`` (layer ids), returns ``(logits, features [B, T, len(capture) * d])``: the
         concatenated stream means entering those layers' attention sites (DSpark target features).
+        With the ``"ep"`` MoE strategy the slot counts [L, P] follow last (``model.moe_strategy``).
         """
         cfg = self.cfg
+        check_tables(moe, moe_tables, cfg.num_hidden_layers)
         x = self.embed(token_ids_BT)
         b, t = token_ids_BT.shape
         streams = jnp.broadcast_to(x[:, :, None, :], (b, t, cfg.hc_mult, cfg.hidden_size))
@@ -116,11 +127,24 @@ class DeepseekV41(nnx.Module):
         rows = self.engram_rows(token_ids_BT)
         state = GlobalState()
         taps: list = []
+        tap = lambda streams: taps.append(jnp.mean(streams.astype(jnp.float32), axis=2).astype(streams.dtype))
+        counts = []
         for i, block in enumerate(self.layers):
-            streams, pre, state = block(streams, pre, state, rows, taps if i in capture else None)
+            streams, pre, state, c = block(streams, pre, state, _full_attention, engram_rows=rows,
+                                           tap=tap if i in capture else None, moe=moe,
+                                           moe_tables=layer_tables(moe_tables, i))
+            counts.append(c)
         h = self.norm(mhc.collapse(streams, pre))
         logits = matmul_t(h.astype(jnp.float32), self.head.weight[...].astype(jnp.float32))
-        return (logits, jnp.concatenate(taps, axis=-1)) if capture else logits
+        out = (logits, jnp.concatenate(taps, axis=-1)) if capture else (logits,)
+        if moe.counts:
+            out += (jnp.stack(counts),)
+        return out if len(out) > 1 else logits
+
+
+def _full_attention(attn: Attention, x, state: GlobalState):
+    """The full-sequence attention site (``Block``'s ``attend``)."""
+    return attn(x, state)
 
 
 def _graphdef(cfg):
@@ -144,13 +168,16 @@ def abstract_params(cfg) -> nnx.State:
     return abstract_model(DeepseekV41, cfg)[1]
 
 
-def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[int, ...] = ()):
+def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[int, ...] = (),
+                 moe: MoEStrategy = _AUTO, moe_tables=None):
     """Pure full-sequence forward: ``token_ids`` [B, T] int -> logits [B, T, V] fp32.
 
-    ``cfg`` (and ``capture``) must be static arguments under ``jax.jit``. Concrete (non-traced) inputs
-    are validated: a 2-D integer array with every id in ``[0, vocab_size)``, else ``ValueError``.
+    ``cfg`` (and ``capture``, ``moe``) must be static arguments under ``jax.jit``. Concrete (non-traced)
+    inputs are validated: a 2-D integer array with every id in ``[0, vocab_size)``, else ``ValueError``.
     ``capture`` (backbone layer ids, e.g. ``cfg.dspark_target_layer_ids``): also return the DSpark
-    target features, ``(logits, features [B, T, len(capture) * hidden])``.
+    target features, ``(logits, features [B, T, len(capture) * hidden])``. ``moe``: how the MoE layers
+    run their routed experts (``model.moe_strategy``); the ``"ep"`` kind takes every layer's routing
+    tables ``moe_tables`` (arrays) and also returns the slot counts [L, P], last.
     """
     if not isinstance(token_ids, jax.core.Tracer):
         check_token_ids(np.asarray(token_ids), cfg.vocab_size)
@@ -159,7 +186,7 @@ def forward_full(params: nnx.State, cfg, token_ids: jax.Array, capture: tuple[in
         raise ValueError(f"capture must be strictly increasing layer ids in [0, {cfg.num_hidden_layers}), "
                          f"got {capture}")
     model = nnx.merge(_graphdef(cfg), params)
-    return model(jnp.asarray(token_ids, jnp.int32), capture)
+    return model(jnp.asarray(token_ids, jnp.int32), capture, moe, moe_tables)
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:

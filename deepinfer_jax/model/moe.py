@@ -1,12 +1,13 @@
 """Mixture of experts with the sqrt-softplus router and a shared expert (model.md §4.6).
 
 Router in fp32: ``s = sqrt(softplus(x . W_g^T))``; top-k of ``s + bias`` selects (the bias never
-weighs); weights are ``s`` at the selected experts, renormalised, times ``routed_scaling_factor``.
-Experts are clamped SwiGLU. This dense formulation evaluates every expert on every token and
-zero-weights the unselected ones: exact, and cheap at the small expert counts that run on CPU;
-with a kernel platform selected (``deepinfer_jax.ops.dispatch``) the routed experts run on
-expert-sorted rows through the grouped-matmul kernel instead, and inside
-``parallel.ep_model.expert_parallel`` they run expert-parallel over a mesh (``shard_map``).
+weighs); weights are ``s`` at the selected experts, renormalised, times ``routed_scaling_factor``
+(``model.routing.route``). Experts are clamped SwiGLU (``model.routing.swiglu``). How the routed
+experts run is the step's static ``MoEStrategy`` (``model.moe_strategy``): the dense reference
+evaluates every expert on every token and zero-weights the unselected ones (exact, and cheap at the
+small expert counts that run on CPU); the grouped path runs expert-sorted rows through the
+grouped-matmul kernel; the ``"ep"`` kind hands them to the strategy's expert-parallel
+implementation (``parallel.ep_model``: ``shard_map`` over a mesh).
 """
 
 from __future__ import annotations
@@ -19,28 +20,16 @@ from flax import nnx
 
 from deepinfer_jax.model import qweight
 from deepinfer_jax.model.layers import Linear, matmul_t
+from deepinfer_jax.model.moe_strategy import MoEStrategy
+from deepinfer_jax.model.routing import route, swiglu
 from deepinfer_jax.ops import dispatch
 from deepinfer_jax.ops.grouped_matmul import grouped_matmul
 from deepinfer_jax.ops.grouped_matmul.reference import moe_experts
 from deepinfer_jax.ops.quantized_matmul import quantized_grouped_matmul
 
+__all__ = ["MLP", "Experts", "Gate", "MoE", "route", "swiglu"]
 
-def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    """``silu(min(gate, limit)) * clip(up, -limit, limit)`` in fp32 (no clamp when limit <= 0)."""
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if limit > 0:
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
-
-
-def route(logits_NE: jax.Array, bias_E: jax.Array, k: int, scale: float, renormalize: bool):
-    """(weights [N, k] fp32, expert ids [N, k]) from fp32 router logits."""
-    s = jnp.sqrt(jax.nn.softplus(logits_NE.astype(jnp.float32)))
-    _, ids = jax.lax.top_k(s + bias_E.astype(jnp.float32), k)
-    w = jnp.take_along_axis(s, ids, axis=-1)
-    if renormalize and k > 1:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * scale, ids
+_AUTO = MoEStrategy()
 
 
 class Gate(nnx.Module):
@@ -90,27 +79,34 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(d, inter, self.limit, rngs=rngs, std=std)
 
     def __call__(self, x_BTd: jax.Array) -> jax.Array:
+        """The layer's output (x's shape and dtype) with the default strategy (``"auto"``)."""
+        return self.run(x_BTd)[0]
+
+    def run(self, x_BTd: jax.Array, strategy: MoEStrategy = _AUTO, tables=None, valid=None):
+        """(output in x's shape and dtype, pairs per physical slot [P] int32 or None) under ``strategy``;
+        ``tables`` (this layer's routing tables) and ``valid`` (the tokens' validity [N]) for ``"ep"``."""
         shape = x_BTd.shape
         x = x_BTd.reshape(-1, shape[-1])
-        from deepinfer_jax.parallel import ep_model  # lazy: parallel.ep_moe imports route/swiglu from here
-
-        if ep_model.current() is not None:  # routed experts over the mesh's ep axis (shard_map)
+        counts = None
+        if strategy.kind == "ep":  # routed experts over the mesh's ep axis (shard_map)
             if qweight.is_quantized(self.experts.w1[...]):
                 raise qweight.QWeightError("expert parallelism runs float-resident experts; load with "
                                            "weights='float32' or 'bfloat16'", "weights")
-            y = ep_model.routed_experts(self, x) + self.shared_experts(x).astype(jnp.float32)
-            return y.astype(x_BTd.dtype).reshape(shape)
+            y, counts = strategy.ep(self, x, tables, valid)
+            y = y + self.shared_experts(x).astype(jnp.float32)
+            return y.astype(x_BTd.dtype).reshape(shape), counts
         logits = matmul_t(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
         w, ids = route(logits, self.gate.bias[...], self.top_k, self.scale, self.renormalize)
         w1, w3, w2 = self.experts.w1[...], self.experts.w3[...], self.experts.w2[...]
-        if dispatch.uses_reference():
+        dense = strategy.kind == "dense" or (strategy.kind == "auto" and dispatch.uses_reference())
+        if dense:
             y = self._dense_experts(x, w, ids, w1, w3, w2)
         else:  # expert-sorted rows through the selected grouped-matmul kernel (ops/grouped_matmul)
             act = functools.partial(swiglu, limit=self.limit)
             gmm = quantized_grouped_matmul if qweight.is_quantized(w1) else grouped_matmul
             y = moe_experts(x, w1, w3, w2, ids, w, act, gmm=gmm)
         y = y + self.shared_experts(x).astype(jnp.float32)
-        return y.astype(x_BTd.dtype).reshape(shape)
+        return y.astype(x_BTd.dtype).reshape(shape), counts
 
     def _dense_experts(self, x, w, ids, w1, w3, w2):
         """The reference path: every expert on every token, unselected ones zero-weighted -> fp32 [N, d]."""

@@ -52,8 +52,12 @@ from deepinfer_jax.model.deepseek_v41 import _graphdef
 from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
 from deepinfer_jax.model.layers import matmul_t
+from deepinfer_jax.model.moe_strategy import MoEStrategy, check_tables, layer_tables
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
 from deepinfer_jax.model.selected_entries import compact_selection
+
+
+_AUTO = MoEStrategy()
 
 
 class StepInputs(NamedTuple):
@@ -239,10 +243,14 @@ class Captured(NamedTuple):
     new_len: jax.Array  # [N'] new_len of the token's request
 
 
-def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInputs, capture: tuple[int, ...] = ()):
+def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInputs, capture: tuple[int, ...] = (),
+               moe: MoEStrategy = _AUTO, moe_tables=None):
     """(logits [M, V] fp32, updated cache), plus ``Captured`` features when ``capture`` (backbone layer
-    ids, e.g. ``cfg.dspark_target_layer_ids``) is given. ``cfg``, ``cache_cfg`` and ``capture`` are
-    static under jit; donate ``cache``."""
+    ids, e.g. ``cfg.dspark_target_layer_ids``) is given, plus the slot counts [L, P] (last) under the
+    ``"ep"`` MoE strategy ``moe``, which takes every layer's routing tables ``moe_tables``
+    (``model.moe_strategy``; padding tokens are neither sent nor counted). ``cfg``, ``cache_cfg``,
+    ``capture`` and ``moe`` are static under jit; donate ``cache``."""
+    check_tables(moe, moe_tables, cfg.num_hidden_layers)
     model = nnx.merge(_graphdef(cfg), params)
     inp = inputs
     n = inp.token_ids.shape[0]
@@ -262,30 +270,32 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
     shared = _Shared()
     m_all = m
     taps: list = []  # (features [N, d], taken before the step narrowed to the decoder rows)
+    counts = []
     for layer, block in enumerate(model.layers):
         if inp.decoder_rows is not None and layer == cfg.decoder_start + 1:
             m, streams, pre, shared = _to_decoder_rows(m, streams, pre, shared, inp)
-        if block.engram_index is not None:
-            streams = block.engram(streams, rows[:, :, block.engram_index])
-        if layer in capture:
-            taps.append((jnp.mean(streams[0].astype(jnp.float32), axis=1).astype(streams.dtype), m is m_all))
-        attn_mix = block.mix("attn", streams)
-        out, shared, cache = _attention_step(block.attn, layer, block.attn_norm(mhc.collapse(streams, pre)),
-                                             shared, cache, m, cfg)
-        streams = mhc.expand(out, streams, attn_mix)
-        ffn_mix = block.mix("ffn", streams)
-        out = block.ffn(block.ffn_norm(mhc.collapse(streams, attn_mix.pre)))
-        streams = mhc.expand(out, streams, ffn_mix)
-        pre = ffn_mix.pre
+
+        def attend(attn, x, carry, layer=layer, m=m):
+            out, shared, cache = _attention_step(attn, layer, x, *carry, m, cfg)
+            return out, (shared, cache)
+
+        tap = (lambda s, m=m: taps.append((jnp.mean(s[0].astype(jnp.float32), axis=1).astype(s.dtype), m is m_all))
+               if layer in capture else None)
+        streams, pre, (shared, cache), c = block(streams, pre, (shared, cache), attend, engram_rows=rows, tap=tap,
+                                                 moe=moe, moe_tables=layer_tables(moe_tables, layer), valid=m.valid)
+        counts.append(c)
     if cfg.engram_layer_ids:
         cache = {**cache, "engram": _engram_history(cache, m_all)}
     h = model.norm(mhc.collapse(streams[:, inp.logit_rows], pre[:, inp.logit_rows]))[0]
     logits = matmul_t(h.astype(jnp.float32), model.head.weight[...].astype(jnp.float32))
-    if not capture:
-        return logits, cache
-    narrowed = m is not m_all
-    feats = jnp.concatenate([t[inp.decoder_rows] if narrowed and early else t for t, early in taps], axis=-1)
-    return logits, cache, Captured(feats, m.pos, m.inp.req_slot[m.inp.token_req], m.valid, m.new)
+    out = (logits, cache)
+    if capture:
+        narrowed = m is not m_all
+        feats = jnp.concatenate([t[inp.decoder_rows] if narrowed and early else t for t, early in taps], axis=-1)
+        out += (Captured(feats, m.pos, m.inp.req_slot[m.inp.token_req], m.valid, m.new),)
+    if moe.counts:
+        out += (jnp.stack(counts),)
+    return out
 
 
 def _to_decoder_rows(m: _Step, streams, pre, shared: _Shared, inp: StepInputs):

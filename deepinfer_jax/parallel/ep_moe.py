@@ -4,7 +4,7 @@ Every device holds a shard of the tokens (data parallel over ``token_axes``, by 
 axis) and ``slots_per_rank`` physical expert slots (the slot axis of the stacked expert weights is
 sharded over ``ep``; other axes replicate them). Per device:
 
-1. the router (fp32 ``sqrt(softplus)``, top-k over *logical* experts, exactly ``model.moe.route``);
+1. the router (fp32 ``sqrt(softplus)``, top-k over *logical* experts, exactly ``model.routing.route``);
 2. each (token, expert) pair goes to one replica of the expert: replica ``t mod copies`` for global
    token index ``t`` (deterministic, conserves every pair; the placement tables say where it lives);
 3. the pairs travel to the ranks holding their slots, the experts run there (grouped matmuls,
@@ -23,7 +23,7 @@ Two dispatch implementations (``EPConfig.dispatch``):
 ``ep_moe`` returns the routed output only (the shared expert is replicated and added outside) and
 ``EPStats``: per-slot token counts (summed over the mesh, for ``LoadStats``), passes, overflow.
 ``ep_moe_local`` is the per-device body, for callers already inside a ``shard_map`` (the engine's DP
-step, ``parallel.ep_model.step_experts``); it also skips padding tokens (neither sent nor counted).
+step, ``parallel.ep_model.StepEP``); it also skips padding tokens (neither sent nor counted).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config.eplb import DISPATCHES
 from deepinfer_jax.model.layers import matmul_t
-from deepinfer_jax.model.moe import route, swiglu
+from deepinfer_jax.model.routing import route, swiglu
 from deepinfer_jax.parallel.mesh import shard_map
 
 __all__ = ["DISPATCHES", "EPConfig", "EPLayer", "EPStats", "ep_moe", "ep_moe_local", "expert_rows", "linear_index"]

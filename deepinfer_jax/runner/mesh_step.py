@@ -11,10 +11,10 @@ on its devices; the other axes (``ep``) are left to GSPMD. (Measured: with GSPMD
 too, it gathers the batched ``top_k`` inputs of every rank to every device.)
 
 With EPLB (``ep_size > 1`` and the preset's ``eplb.enabled``) the step runs as one program per device
-(``dp_forward_ep``, ``shard_map`` manual over every mesh axis) through the EP MoE
-(``parallel.ep_model.step_experts``), with every layer's routing tables as a jit argument, and returns
-every layer's pair count per physical slot. Sampling is one program over the ``dp x rows`` logits
-(``dp_sample``).
+(``dp_forward_ep``, ``shard_map`` manual over every mesh axis) with the ``"ep"`` MoE strategy
+(``model.moe_strategy``; its ``parallel.ep_model.StepEP`` from ``ep_spec``) as a static argument and every
+layer's routing tables as a jit argument, and returns every layer's pair count per physical slot.
+Sampling is one program over the ``dp x rows`` logits (``dp_sample``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax import sharding as sh
 from deepinfer_jax.model.kv_cache import init_cache
+from deepinfer_jax.model.moe_strategy import MoEStrategy
 from deepinfer_jax.parallel import ep_model
 from deepinfer_jax.runner.step_programs import forward_step, sample_rows
 
@@ -50,28 +51,27 @@ def dp_sample(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot):
     return out, flat.reshape(last_ids.shape)
 
 
-def dp_forward_ep(cfg, cache_cfg, spec, params, tables, cache, last_ids, feed, inputs):
-    """One device's share of the EP step (inside ``shard_map`` manual over the whole mesh): the leading dp axis of
-    cache / last_ids / feed / inputs has size 1 (this device's DP rank); ``params`` holds this device's expert
-    slots. -> (logits [1, R, V], the new cache, slot counts [L, P] of the whole mesh)."""
+def dp_forward_ep(cfg, cache_cfg, moe, params, tables, cache, last_ids, feed, inputs):
+    """One device's share of the EP step (inside ``shard_map`` manual over the whole mesh) under the ``"ep"``
+    strategy ``moe``: the leading dp axis of cache / last_ids / feed / inputs has size 1 (this device's DP rank);
+    ``params`` holds this device's expert slots, ``tables`` every layer's routing tables [L, ...]. -> (logits
+    [1, R, V], the new cache, slot counts [L, P] of the whole mesh)."""
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)
     inp = first(inputs)
-    with ep_model.step_experts(spec, tables, inp.token_valid) as ep:
-        logits, cache = forward_step(params, cfg, cache_cfg, first(cache), last_ids[0], feed[0], inp)
-        counts = ep.slot_counts()
+    logits, cache, counts = forward_step(params, cfg, cache_cfg, first(cache), last_ids[0], feed[0], inp, moe, tables)
     return logits[None], jax.tree.map(lambda a: a[None], cache), counts
 
 
-def ep_spec(preset, mesh: Mesh) -> ep_model.StepSpec:
-    """The EP step's static layout (the preset passed ``validate_engine``); ShardingError ``eplb.dispatch`` for
-    ragged_all_to_all on CPU devices (XLA:CPU lacks it)."""
+def ep_spec(preset, mesh: Mesh) -> ep_model.StepEP:
+    """The EP step's static layout and MoE implementation (the preset passed ``validate_engine``); ShardingError
+    ``eplb.dispatch`` for ragged_all_to_all on CPU devices (XLA:CPU lacks it)."""
     if preset.eplb.dispatch == "ragged_all_to_all" and mesh.devices.flat[0].platform == "cpu":
         raise sh.ShardingError("eplb.dispatch", "ragged_all_to_all needs GPU/TPU devices (XLA:CPU lacks it); use "
                                "dispatch = \"all_to_all\" on CPU")
     sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)
     split = tuple(a for a, n in sizes if a not in preset.dp_axes and n > 1)  # a rank's tokens are replicated there
     config = ep_model.EPConfig(dispatch=preset.eplb.dispatch, ep_axis=preset.ep_axes[0])
-    return ep_model.StepSpec(config=config, axis_sizes=sizes, split_axes=split)
+    return ep_model.StepEP(config=config, axis_sizes=sizes, split_axes=split)
 
 
 def manual_axes(preset, param_sh) -> tuple[str, ...]:
@@ -97,7 +97,8 @@ def per_rank(fn, mesh: Mesh, manual: tuple[str, ...]):
 @functools.lru_cache(maxsize=8)
 def programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple[str, ...], ep_spec,
              param_specs: tuple, param_treedef):
-    """The jitted (model step, sampling program) of one model, cache layout, mesh and parameter layout. Cached:
+    """The jitted (model step, sampling program) of one model, cache layout, mesh, EP layout (``ep_spec``: None, or
+    the ``StepEP`` of the ``"ep"`` MoE strategy, a static argument of the step) and parameter layout. Cached:
     a second runner over the same layout (another engine, a preset differing only in EPLB timing) reuses the
     compiled programs instead of tracing and compiling them again."""
     dp = NamedSharding(mesh, PartitionSpec(dp_axes or None))
@@ -107,7 +108,8 @@ def programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple
         forward = jax.jit(step, donate_argnums=(1,), in_shardings=(param_sh, dp, dp, dp, dp), out_shardings=(dp, dp))
     else:
         dps, repl = PartitionSpec(dp_axes or None), PartitionSpec()
-        step = jax.shard_map(functools.partial(dp_forward_ep, cfg, cache_cfg, ep_spec), mesh=mesh,
+        moe = MoEStrategy("ep", ep_spec)
+        step = jax.shard_map(functools.partial(dp_forward_ep, cfg, cache_cfg, moe), mesh=mesh,
                              in_specs=(jax.tree_util.tree_unflatten(param_treedef, param_specs), repl, dps, dps, dps,
                                        dps),
                              out_specs=(dps, dps, repl), axis_names=set(manual), check_vma=False)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model.moe_strategy import MoEStrategy
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import sample
 
 __all__ = ["TRACES", "count_trace", "forward_step", "forward_step_flat", "logits_step", "logits_step_flat",
            "sample_rows"]
+
+_AUTO = MoEStrategy()
 
 #: How many step programs this process traced (or loaded from the program store).
 TRACES = [0]
@@ -35,14 +38,15 @@ def logits_step(params, cfg, cache_cfg, cache, inputs):
     return paged_step(params, cfg, cache_cfg, cache, inputs)
 
 
-def forward_step(params, cfg, cache_cfg, cache, last_ids, feed, inputs):
+def forward_step(params, cfg, cache_cfg, cache, last_ids, feed, inputs, moe: MoEStrategy = _AUTO, moe_tables=None):
     """The engine's model step: tokens marked ``feed`` come from ``last_ids`` [slots] (by slot);
-    returns the logits of ``inputs.logit_rows`` (one row per request) and the new cache."""
+    returns the logits of ``inputs.logit_rows`` (one row per request) and the new cache, plus the slot
+    counts [L, P] under the ``"ep"`` MoE strategy ``moe`` (static; ``moe_tables``: ``paged_step``'s)."""
     TRACES[0] += 1
     slots = cache_cfg.max_requests
     token_slot = jnp.clip(inputs.req_slot[inputs.token_req], 0, slots - 1)
     inputs = inputs._replace(token_ids=jnp.where(feed, last_ids[token_slot], inputs.token_ids))
-    return paged_step(params, cfg, cache_cfg, cache, inputs)
+    return paged_step(params, cfg, cache_cfg, cache, inputs, moe=moe, moe_tables=moe_tables)
 
 
 def logits_step_flat(ptree, pleaves, cfg, cache_cfg, cache, inputs):
