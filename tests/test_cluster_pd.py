@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation (issue 23 items 1, 2, 4): the handoff format, the engine roles in
-one process, and ``Cluster`` on Ray (greedy outputs identical to ``LLM.generate``; faults lose nothing).
+one process (a decode instance that is a DP engine on 8 fake devices: ``tests/sharded/dp_roles_check.py``, a
+subprocess), and ``Cluster`` on Ray (greedy outputs identical to ``LLM.generate``; faults lose nothing).
 
 The Ray tests start a local Ray (2 CPUs) with tiny engines; they are skipped, with the reason, only
 when Ray cannot start here.
@@ -194,6 +195,76 @@ def test_forwarded_requests_continue_exactly(ref, roles):
         assert d.add(prompts[i], sp, f.request_id, f.handoff) == "exact"
     got.update(_decode(d))
     assert [got[f"f{i}"].outputs[0].token_ids for i in range(3)] == _tokens(_reference(ref, prompts, sp))
+
+
+# ---- a DP engine as an instance (8 fake devices; a subprocess: tests/sharded/dp_roles_check.py) ----
+@pytest.fixture(scope="module")
+def dp_roles():
+    from sharded import run_checks
+
+    return run_checks("dp_roles_check.py", "cpu-dp2-ep4", timeout=600)
+
+
+def test_dp_decode_instance_continues_exactly_what_colocated_computes(dp_roles):
+    row = dp_roles["roles"]
+    assert row["dp_size"] == 2 and row["hows"] == ["exact"] * 5
+    assert row["ranks"][:2] == [0, 1] and set(row["ranks"]) == {0, 1}  # a named rank is honoured; both ranks run
+    assert [n for n, _ in row["loads"]] == [3, 2] and all(t > 0 for _, t in row["loads"])
+    assert row["got"] == row["want"] and row["ids_equal"] and all(len(g) == 12 for g in row["got"])
+    assert dp_roles["zeroed"]["differs"]  # control: the restored slot state (on its rank) is what makes it exact
+
+
+def test_dp_decode_instance_forwards_from_its_ranks_exactly(dp_roles):
+    row = dp_roles["forward"]
+    assert set(row["ranks"]) == {0, 1} and row["forwarded"] == row["with_state"] == 3
+    assert row["hows"] == ["exact"] * 3 and row["ids_equal"] and not row["unfinished"]
+
+
+def test_dp_slot_copies_read_one_rank_with_one_collective(dp_roles):
+    row = dp_roles["collectives"]
+    assert row["names_equal"]  # the one-device slot layout: a slot moves between the two kinds of engine
+    assert row["read"] == [["all-reduce", row["state_bytes"]]]  # one collective, the size of what it reads
+    assert row["state_bytes"] * 2 < row["cache_bytes"] and row["write"] == []
+
+
+def test_dp_roles_bad_rank_is_a_typed_error_naming_the_field(dp_roles):
+    row = dp_roles["errors"]
+    assert row["add_rank"] == ["RequestError", "rank"] and row["continuation_rank"] == ["RequestError", "rank"]
+    assert row["snapshot_rank"][0] == "ValueError" and row["snapshot_rank"][1].startswith("rank")
+    assert row["restore_rank"][0] == "ValueError" and row["restore_rank"][1].startswith("rank")
+    assert not row["registered"]  # refused before anything was registered
+
+
+def test_one_device_roles_refuse_a_rank_other_than_0(roles):
+    from deepinfer_jax.engine import RequestError
+
+    p, d = roles
+    results = _prefill(p, _prompts(4, (20,)), tag="k")
+    with pytest.raises(RequestError) as e:
+        d.add(_prompts(4, (20,))[0], SP, "k0", results["k0"].handoff, rank=1)
+    assert e.value.field == "rank" and "k0" not in d.engine.requests
+    with pytest.raises(ValueError, match="rank"):
+        d.llm.runner.snapshot_slot(0, rank=1)
+    assert d.add(_prompts(4, (20,))[0], SP, "k0", results["k0"].handoff, rank=0) == "exact"
+    (ld,) = d.rank_loads()  # one device: one rank, the whole instance's load
+    assert d.dp_size == 1 and ld.num_requests == 1 and ld.kv_tokens == 21 and d.load() == (1, 21)
+    _decode(d)
+
+
+def test_dp_role_env_gives_the_actor_the_preset_devices_and_refuses_speculation():
+    from deepinfer_jax.cluster.errors import PolicyInputError
+    from deepinfer_jax.cluster.live import dp_role_env
+
+    assert dp_role_env("decode", {"speculation": "mtp"}) == {}  # one device: the job's environment
+    settings = {"sharding": "cpu-dp2-ep4"}
+    env = dp_role_env("decode", settings)
+    assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"].split() and "PYTHONPATH" in env
+    assert settings["speculation"] == "none"
+    for bad, field in [({"sharding": "cpu-dp2-ep4", "speculation": "dspark"}, "decode_settings.speculation"),
+                       ({"sharding": "no-such-preset"}, "decode_settings.sharding")]:
+        with pytest.raises(PolicyInputError) as e:
+            dp_role_env("decode", bad)
+        assert e.value.field == field
 
 
 # ---- Cluster on Ray ----
@@ -429,7 +500,8 @@ def test_cluster_bad_settings_are_typed_errors_naming_the_field():
              ({"autoscaler": AutoscalerSettings(RoleSettings(1.0), RoleSettings(1.0, min_instances=0))},
               "autoscaler.decode.min_instances"),
              ({"budget_s": -0.1}, "budget_s"), ({"decode_grace_s": "60"}, "decode_grace_s"),
-             ({"prefill": 0}, "prefill"), ({"decode": 1.5}, "decode")]
+             ({"prefill": 0}, "prefill"), ({"decode": 1.5}, "decode"),
+             ({"decode_settings": {"sharding": "cpu-dp2-ep4", "speculation": "dspark"}}, "decode_settings.speculation")]
     for kw, field in cases:
         with pytest.raises(PolicyInputError) as e:
             Cluster(model="tiny", **kw)

@@ -196,8 +196,12 @@ def test_dp_core_refuses_what_it_does_not_support():
         core.add_request([1, 2], SamplingParams(structured_output={"regex": "a+"}))
     with pytest.raises(RequestError, match="prompt"):
         core.add_request([], SamplingParams())
-    with pytest.raises(ValueError, match="add_continuation"):  # engine roles: not with DP yet
-        core.add_continuation([1, 2], [3], SamplingParams())
+    with pytest.raises(RequestError) as e:  # engine roles: a continuation's rank must be one of the engine's
+        core.add_continuation([1, 2], [3], SamplingParams(), request_id="far", rank=2)
+    assert e.value.field == "rank" and "far" not in core.requests
+    rid = core.add_continuation([1, 2], [3], SamplingParams(), request_id="near", rank=1)
+    assert core.rank_of(rid) == 1 and core.rank_requests[1] >= 1
+    core.abort(rid)
     with pytest.raises(ValueError, match="schedulers"):
         DPEngineCore(FakeDPRunner(2, 2), [], tokenizer=None, eos_token_id=0)
     kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,

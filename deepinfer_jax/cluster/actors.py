@@ -1,7 +1,8 @@
 """The Ray actor that hosts one engine instance in a role (issue 23 item 2): ``EngineActor``.
 
 A plain class; ``live.Cluster`` wraps it with ``ray.remote``. Each actor builds its own ``LLM`` (one
-engine, one process) and a ``roles.PrefillInstance`` or ``roles.DecodeInstance`` around it. The
+engine, one process; a DP engine over a device mesh is one actor too) and a ``roles.PrefillInstance`` or
+``roles.DecodeInstance`` around it. The
 router talks to it through ``work``: hand it new requests and let it step for up to ``budget_s``
 (returning as soon as a step produced results), so one outstanding call per actor keeps every
 engine busy while the driver routes. A decode request added with ``stream`` (where the client's
@@ -34,7 +35,8 @@ class EngineActor:
         self.trackers: dict = {}  # request id -> streaming.PartialTracker (decode, streamed requests)
 
     def info(self) -> dict:
-        """What the router needs to match prefixes and charge quota like the engines do."""
+        """What the router needs to match prefixes and charge quota like the engines do, and the instance's DP
+        ranks (``dp_size``: the decode balancer routes to each rank)."""
         from deepinfer_jax.cache.block_hash import extra_keys
 
         llm, sched = self.llm, self.llm.engine.scheduler
@@ -43,7 +45,7 @@ class EngineActor:
                                                                           llm.engine_config.cache_salt).hex(),
                 "block_size": sched.block_size, "ring_rows": sched.prefix.ring_rows,
                 "max_model_len": sched.max_model_len, "cost_coef": None if cm is None else cm.coef.tolist(),
-                "store": str(sched.prefix.files.root.parent)}
+                "store": str(sched.prefix.files.root.parent), "dp_size": self.inst.dp_size}
 
     def prepare(self, items, params) -> list[tuple[str | None, list[int]]]:
         """(text, prompt ids) per prompt, validated as ``LLM.generate`` does (``RequestError`` naming

@@ -49,7 +49,7 @@ from typing import Self
 
 from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
-from deepinfer_jax.cluster.errors import check_int, check_number
+from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
 from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, request_quota
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_tokens
 from deepinfer_jax.cluster.scaling import LiveScaler, check_settings
@@ -59,10 +59,34 @@ from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.dp_router import RankLoad
 from deepinfer_jax.engine.outputs import RequestMetrics
 
-__all__ = ["Cluster", "ClusterStats", "ray_init_options"]
+__all__ = ["Cluster", "ClusterStats", "dp_role_env", "ray_init_options"]
 
 log = logging.getLogger(__name__)
 _ENV_PASSED = ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS", "XLA_FLAGS", "DEEPINFER_PROGRAM_STORE")
+
+
+def dp_role_env(role: str, settings: dict) -> dict:
+    """The environment of a role whose engine runs over a device mesh (``sharding`` in its settings, a DP engine;
+    one device: ``{}``): this checkout's ``ray_init_options`` environment, with ``XLA_FLAGS`` making the preset's
+    device count of host (CPU) devices, which only a CPU run uses. ``PolicyInputError`` for a DP role with
+    speculation (not supported with attention data parallel), naming ``<role>_settings.speculation``."""
+    from deepinfer_jax.config.sharding import resolve_preset
+
+    sharding = settings.get("sharding")
+    if sharding is None:
+        return {}
+    settings.setdefault("speculation", "none")
+    if settings["speculation"] not in ("none", "auto"):
+        raise PolicyInputError(f"{role}_settings.speculation", f"must be 'none' for a DP engine (sharding="
+                                                              f"{sharding!r}), got {settings['speculation']!r}")
+    try:
+        preset = resolve_preset(sharding)
+    except ValueError as e:
+        raise PolicyInputError(f"{role}_settings.sharding", str(e)) from None
+    env = dict(ray_init_options()["runtime_env"]["env_vars"])
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={preset.num_devices}"])
+    return env
 
 
 def ray_init_options(**overrides) -> dict:
@@ -100,6 +124,7 @@ class _Req:
     params: SamplingParams
     arrival: float
     where: tuple[str, int] | None = None
+    rank: int | None = None  # on a decode instance: the DP rank the decode balancer picked
     quota: float = 0.0
     handoff: bytes | None = None
     output_ids: list[int] | None = None  # known generated tokens when there is no handoff (forwarding)
@@ -125,6 +150,7 @@ class _Instance:
     rids: set = field(default_factory=set)
     ready: bool = True  # False while a non-blocking start waits for the engine (not routed to)
     draining: bool = False  # prefill going offline: no new requests, stopped once it has none
+    dp_size: int = 1  # the engine's DP ranks (``EngineActor.info``)
 
 
 class Cluster:
@@ -148,19 +174,22 @@ class Cluster:
         check_number("decode_grace_s", decode_grace_s)
         check_number("budget_s", budget_s)
         check_settings(autoscaler)
-        self._ray = ray
-        self._own_ray = not ray.is_initialized()
-        if self._own_ray:
-            ray.init(**ray_init_options(**(ray_init or {})))
+        self._settings = {"prefill": {**settings, **(prefill_settings or {})},
+                          "decode": {**settings, **(decode_settings or {})}}
+        self._settings["prefill"].setdefault("speculation", "none")  # a prefill instance never decodes
+        self._env = {role: dp_role_env(role, self._settings[role]) for role in self._settings}
         self._tmp = None
         if block_store is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-store-")
             block_store = self._tmp.name
         self.block_store = str(block_store)
+        for role_settings in self._settings.values():
+            role_settings["block_store"] = self.block_store
         self.model, self.decode_grace_s, self.budget_s = model, decode_grace_s, budget_s
-        self._settings = {"prefill": {**settings, **(prefill_settings or {}), "block_store": self.block_store},
-                          "decode": {**settings, **(decode_settings or {}), "block_store": self.block_store}}
-        self._settings["prefill"].setdefault("speculation", "none")  # a prefill instance never decodes
+        self._ray = ray
+        self._own_ray = not ray.is_initialized()
+        if self._own_ray:
+            ray.init(**ray_init_options(**(ray_init or {})))
         from deepinfer_jax.cluster.actors import EngineActor
 
         self._actor_cls = ray.remote(**{"num_cpus": 0, "max_restarts": 0, **(actor_options or {})})(EngineActor)
@@ -170,7 +199,8 @@ class Cluster:
         for _ in range(decode):
             self._start("decode")
         self.info = ray.get(self.instances["prefill"][0].actor.info.remote())
-        ray.get([i.actor.info.remote() for i in self._live()])  # every engine has started
+        for inst, info in zip(self._live(), ray.get([i.actor.info.remote() for i in self._live()])):
+            inst.dp_size = info["dp_size"]  # every engine has started
         coef = self.info["cost_coef"] or (0.0, 1.0, 0.0, 0.0)  # no cost model: tokens as quota
         self._cost = CostModel(coef)
         from deepinfer_jax.cache.block_store import FileBlockStore
@@ -191,8 +221,10 @@ class Cluster:
 
     # ---- instances ----
     def _start(self, role: str) -> _Instance:
-        inst = _Instance(role, len(self.instances[role]),
-                         self._actor_cls.remote(role, self.model, self._settings[role]))
+        cls = self._actor_cls
+        if self._env[role]:  # a DP role: its process sees the preset's (fake CPU) devices
+            cls = cls.options(runtime_env={"env_vars": self._env[role]})
+        inst = _Instance(role, len(self.instances[role]), cls.remote(role, self.model, self._settings[role]))
         self.instances[role].append(inst)
         self._balancer = None  # re-made for the new count at the next submit
         return inst
@@ -204,7 +236,7 @@ class Cluster:
             raise ValueError(f"role: 'prefill' or 'decode', got {role!r}")
         inst = self._start(role)
         if wait:
-            self._ray.get(inst.actor.info.remote())
+            inst.dp_size = self._ray.get(inst.actor.info.remote())["dp_size"]
         else:
             inst.ready = inst.accepting = False
             inst.call = ("info", inst.actor.info.remote())
@@ -284,20 +316,31 @@ class Cluster:
         inst.rids.add(req.rid)
         inst.adds.append({"prompt_ids": req.ids, "params": req.params, "request_id": req.rid, "prompt": req.text})
 
+    def _rank_loads(self, inst: _Instance) -> tuple[RankLoad, ...]:
+        """Each DP rank's load on decode instance ``inst`` as the router routed it (one device: one rank)."""
+        loads = [[0, 0] for _ in range(inst.dp_size)]
+        for rid in inst.rids:
+            req = self.requests[rid]
+            ld = loads[req.rank if req.rank is not None and req.rank < inst.dp_size else 0]
+            ld[0] += 1
+            ld[1] += self._tokens(req)
+        return tuple(RankLoad(n, t) for n, t in loads)
+
     def _route_decode(self, req: _Req) -> None:
-        """The decode balancer over every accepting decode instance (one rank each)."""
+        """The decode balancer over every rank of every accepting decode instance; a DP instance runs the request
+        on the rank it picked."""
         cands = self.instances["decode"]
-        views = [DecodeInstanceView((RankLoad(len(i.rids), sum(self._tokens(self.requests[r]) for r in i.rids)),),
-                                    i.alive and i.accepting) for i in cands]
+        views = [DecodeInstanceView(self._rank_loads(i), i.alive and i.accepting) for i in cands]
         if not any(v.accepting for v in views):
             raise RuntimeError("no decode instance left to take requests")
-        e, _ = pick_decode_rank(views, self._tokens(req))
+        e, rank = pick_decode_rank(views, self._tokens(req))
         inst = cands[e]
-        req.where = ("decode", e)
+        req.where, req.rank = ("decode", e), rank
         inst.rids.add(req.rid)
         inst.adds.append({"prompt_ids": req.ids, "params": req.params, "request_id": req.rid, "data": req.handoff,
                           "prompt": req.text, "num_cached_tokens": req.first.num_cached_tokens if req.first else 0,
-                          "output_ids": req.output_ids, "stream": req.cursor and req.cursor.start})
+                          "output_ids": req.output_ids, "stream": req.cursor and req.cursor.start,
+                          "rank": rank if inst.dp_size > 1 else None})
 
     @staticmethod
     def _tokens(req: _Req) -> int:
@@ -340,6 +383,7 @@ class Cluster:
                 continue
             if kind == "info":
                 inst.ready = inst.accepting = True
+                inst.dp_size = answer["dp_size"]
             elif kind == "forward":
                 finished += self._forwarded(inst, *answer)
             else:

@@ -17,6 +17,12 @@ from the prompt when the handoff itself is unusable, else from the prompt and th
 ``forward_unfinished`` turns its unfinished requests into handoffs for other decode instances
 (scale-down): blocks to the store, the rest in the handoff, exactly as a prefill instance does.
 
+Either may be a DP engine (``LLM(..., sharding=preset)``, ``engine.dp_core.DPEngineCore``): a request's slot
+and blocks are read from, and a handoff admitted into, its rank's slice of the stacked cache
+(``ModelRunner.snapshot_slot`` / ``restore_slot`` with ``rank=``); the slot state has the one-device layout, so a
+one-device prefill instance hands over to a DP decode instance and back. ``DecodeInstance.add(rank=)`` runs a
+handoff on the rank the cluster's decode balancer chose (``rank_loads`` is its view of the instance).
+
 Both need prefix caching and a file block store (``block_store=dir``) shared by every instance.
 Colocated mode (a plain ``LLM``) stays the default; these wrap an ``LLM`` without changing it.
 """
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from deepinfer_jax.cluster.handoff import Handoff, HandoffError, decode_handoff, encode_handoff
 from deepinfer_jax.engine import RequestOutput, SamplingParams
 from deepinfer_jax.engine.core import EngineCore
+from deepinfer_jax.engine.dp_router import RankLoad
 from deepinfer_jax.engine.request import AdmitState
 
 __all__ = ["DecodeInstance", "Forwarded", "PrefillInstance", "PrefillResult"]
@@ -81,7 +88,8 @@ class _Role:
     def _state(self, r, length: int):
         """Dispatch copies of ``r``'s slot state and its first ``ceil(length / B)`` blocks (device arrays)."""
         nb = math.ceil(length / self.block_size)
-        return self.llm.runner.snapshot_slot(r.slot), self.llm.runner.read_blocks(r.blocks.block_ids[:nb])
+        at = self.engine._at_rank(r)  # a DP engine: the request's rank's slice
+        return self.llm.runner.snapshot_slot(r.slot, **at), self.llm.runner.read_blocks(r.blocks.block_ids[:nb], **at)
 
     def _handoff(self, r, output_ids, logprobs, state, source: str) -> Handoff:
         """Fetch ``state`` (from ``_state``), write the complete blocks to the store, build the handoff."""
@@ -105,6 +113,15 @@ class _Role:
     @property
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished
+
+    @property
+    def dp_size(self) -> int:
+        """The engine's attention data-parallel ranks (1: one device)."""
+        return getattr(self.llm.runner, "dp_size", 1)
+
+    def _schedulers(self) -> list:
+        """Every rank's scheduler (one device: the one)."""
+        return list(getattr(self.engine, "schedulers", [self.engine.scheduler]))
 
 
 class PrefillInstance(_Role):
@@ -188,11 +205,14 @@ class DecodeInstance(_Role):
         return AdmitState(h.length, payloads, h.slot_state)
 
     def add(self, prompt_ids, params: SamplingParams, request_id: str, data: bytes | None,
-            prompt: str | None = None, num_cached_tokens: int = 0, output_ids=None) -> str:
+            prompt: str | None = None, num_cached_tokens: int = 0, output_ids=None, rank: int | None = None) -> str:
         """Admit a handoff for ``request_id`` (the router's own copy of its prompt and parameters);
         ``data=None``: no state anywhere, recompute the prompt and ``output_ids`` (if any) here.
-        Returns how: ``"exact"``, or ``"recompute:<reason>"``."""
-        kw = {"prompt": prompt, "request_id": request_id, "num_cached_tokens": num_cached_tokens}
+        ``rank``: the DP rank of a DP engine to run it on (the cluster's decode balancer; None: the engine's
+        DP router picks; ``RequestError("rank")`` out of range). Returns how: ``"exact"``, or
+        ``"recompute:<reason>"``."""
+        self.engine._check_rank(rank)
+        kw = {"prompt": prompt, "request_id": request_id, "num_cached_tokens": num_cached_tokens, "rank": rank}
         if data is None:
             return self._recompute("no_state", prompt_ids, params, output_ids, **kw)
         try:
@@ -212,11 +232,11 @@ class DecodeInstance(_Role):
         return "exact"
 
     def _recompute(self, reason: str, prompt_ids, params, output_ids, prompt=None, request_id=None,
-                   num_cached_tokens=0, logprobs=None) -> str:
+                   num_cached_tokens=0, logprobs=None, rank=None) -> str:
         self.recomputed[reason] = self.recomputed.get(reason, 0) + 1
         if output_ids:
             self.engine.add_continuation(prompt_ids, output_ids, params, prompt=prompt, request_id=request_id,
-                                         logprobs=logprobs, num_cached_tokens=num_cached_tokens)
+                                         logprobs=logprobs, num_cached_tokens=num_cached_tokens, rank=rank)
         else:
             self.engine.add_request(prompt_ids, params, prompt=prompt, request_id=request_id)
         return f"recompute:{reason}"
@@ -229,10 +249,15 @@ class DecodeInstance(_Role):
         return outs
 
     def load(self) -> tuple[int, int]:
-        """(unfinished requests, their tokens): the decode balancer's view of this instance."""
-        s = self.engine.scheduler
-        live = list(s.running) + list(s.waiting)
-        return len(live), sum(r.num_tokens for r in live)
+        """(unfinished requests, their tokens) over every rank."""
+        loads = self.rank_loads()
+        return sum(ld.num_requests for ld in loads), sum(ld.kv_tokens for ld in loads)
+
+    def rank_loads(self) -> list[RankLoad]:
+        """Each DP rank's unfinished requests and their tokens (one device: one rank): the decode balancer's
+        view of this instance (``DecodeInstanceView.ranks``)."""
+        return [RankLoad(len(s.running) + len(s.waiting), sum(r.num_tokens for r in (*s.running, *s.waiting)))
+                for s in self._schedulers()]
 
     def forward_unfinished(self) -> tuple[list[RequestOutput], list[Forwarded]]:
         """Going offline: finish the step in flight, then hand every unfinished request on (blocks to
@@ -241,9 +266,8 @@ class DecodeInstance(_Role):
         finished = self.engine.drain()
         for out in finished:
             self.engine.requests.pop(out.request_id, None)
-        s = self.engine.scheduler
         forwards = []
-        for r in list(s.running) + list(s.waiting):
+        for r in [r for s in self._schedulers() for r in (*s.running, *s.waiting)]:
             t0 = time.perf_counter()
             data = None
             if r.output_ids and r.slot is not None and r.num_computed == r.num_tokens - 1 and not r.num_pending:

@@ -187,12 +187,14 @@ class EngineCore:
     def add_continuation(self, prompt_ids, output_ids, params: SamplingParams, *, prompt: str | None = None,
                          request_id: str | None = None, admit: AdmitState | None = None,
                          logprobs: list[TokenLogprobs] | None = None, prompt_logprobs=None,
-                         num_cached_tokens: int = 0, arrival: float | None = None) -> str:
+                         num_cached_tokens: int = 0, arrival: float | None = None, rank: int | None = None) -> str:
         """A request that already has ``output_ids`` (engine roles, ``cluster.roles``): the first token a
         prefill instance sampled, or the tokens a draining decode instance forwarded. With ``admit``
         (its KV and slot state up to ``admit.length = len(prompt) + len(output) - 1``) it is admitted
         there and computes nothing before; without, it recomputes its tokens (the prefix cache may
-        hit). ``logprobs`` / ``prompt_logprobs``: what the earlier engine reported for them."""
+        hit). ``logprobs`` / ``prompt_logprobs``: what the earlier engine reported for them. ``rank``: the DP
+        rank to run it on (``DPEngineCore``; None: the DP router picks; one device: None or 0)."""
+        self._check_rank(rank)
         if not output_ids:
             raise RequestError("output_ids", "a continuation needs at least one generated token")
         if admit is not None and admit.length != len(prompt_ids) + len(output_ids) - 1:
@@ -213,8 +215,18 @@ class EngineCore:
         if req.logprobs is not None and logprobs is not None:
             req.logprobs = list(logprobs)
         req.prompt_logprobs, req.num_cached_tokens, req.admit_state = prompt_logprobs, num_cached_tokens, admit
-        self.scheduler.add(req)
+        self._enqueue(req, rank)
         return req.request_id
+
+    def _check_rank(self, rank: int | None) -> None:
+        """``RequestError("rank")`` unless ``rank`` is None or one of this engine's DP ranks (one device: 0)."""
+        ranks = getattr(self.runner, "dp_size", 1)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks):
+            raise RequestError("rank", f"a DP rank in [0, {ranks}) or None, got {rank!r}")
+
+    def _enqueue(self, req: Request, rank: int | None) -> None:
+        """Schedule a new continuation (``DPEngineCore``: on ``rank``, or the one the DP router picks)."""
+        self.scheduler.add(req)
 
     def _new_request(self, ids: list[int], params: SamplingParams, prompt: str | None, request_id: str | None,
                      arrival: float | None) -> Request:
@@ -357,7 +369,7 @@ class EngineCore:
                 self.runner.write_blocks(list(ids), list(payloads), **at)
                 c.request.uploads = None
             if c.request.slot_state is not None:  # engine roles: the whole slot from another engine
-                self.runner.restore_slot(c.request.slot, c.request.slot_state)
+                self.runner.restore_slot(c.request.slot, c.request.slot_state, **at)
                 c.request.slot_state = None
             if c.request.restore is not None:
                 pos, snap = c.request.restore

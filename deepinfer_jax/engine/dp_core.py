@@ -32,8 +32,12 @@ blocks are uploaded into that rank's pool and its window restored into that rank
 not look at prefixes (``pick_rank`` balances load only). Decoder bounded replay (``decoder_replay``) runs
 on every rank as on one device.
 
-Not supported with DP yet: speculative decoding (``EngineConfig`` refuses ``speculation`` with
-``sharding``), and the engine roles' continuations (``add_continuation``, refused with a ValueError).
+Engine roles (``cluster.roles``): ``add_continuation`` routes a continuation like a new request (``pick_rank``,
+or the ``rank`` the cluster's decode balancer chose) and admits it on that rank's scheduler; its handed blocks go
+into that rank's pool and its slot state into that rank's slot, and a role reads a request's slot and blocks
+from its rank's slice (``snapshot_slot`` / ``read_blocks`` with ``rank=``).
+
+Not supported with DP yet: speculative decoding (``EngineConfig`` refuses ``speculation`` with ``sharding``).
 """
 
 from __future__ import annotations
@@ -141,10 +145,15 @@ class DPEngineCore(EngineCore):
         self._prefetch(req, self.schedulers[rank])
         return req.request_id
 
-    def add_continuation(self, *args, **kwargs) -> str:
-        """Not supported with DP yet: ValueError (a continuation would need a rank and, with ``admit``, the
-        whole-slot copies that the runner over a mesh lacks)."""
-        raise ValueError("add_continuation: engine roles are not supported with attention data parallel yet")
+    def _enqueue(self, req: Request, rank: int | None) -> None:
+        """A continuation (``EngineCore.add_continuation``, the engine roles) joins ``rank``, or the rank the DP
+        router picks as for ``add_request``; with ``admit`` its blocks are uploaded into that rank's pool and
+        its slot state restored into that rank's slot (``ModelRunner.restore_slot(rank=)``)."""
+        if rank is None:
+            rank = pick_rank(self.loads(), req.num_tokens)
+        self._rank[req.request_id] = rank
+        self.rank_requests[rank] += 1
+        self.schedulers[rank].add(req)
 
     def rank_of(self, request_id: str) -> int | None:
         """The DP rank of an unfinished request (None once it ended)."""

@@ -27,9 +27,12 @@ counts compilations so tests can assert that a long mixed run never recompiles.
 The prefix cache's copies (``snapshot_swa`` / ``restore_swa``, ``read_blocks`` / ``write_blocks``) take the DP
 ``rank`` whose slot or blocks they touch: over a mesh they copy into and out of that rank's slice of the stacked
 cache (what they read comes back replicated, host payloads and windows are rank-independent), on one device
-``rank`` is 0 and the programs are the single-cache ones. Decoder bounded replay (``decoder_replay``) pads every
-rank's decoder tokens to one bucket. Over a mesh the logits-only ``execute`` and the engine roles' whole-slot
-copies (``snapshot_slot`` / ``restore_slot``) are not supported yet (``ValueError``); several processes
+``rank`` is 0 and the programs are the single-cache ones. The engine roles' whole-slot copies (``snapshot_slot`` /
+``restore_slot``) take ``rank`` the same way: over a mesh they read (as a gather: one all-reduce of the slot
+state's size, no gather of every rank's cache) or write only that rank's slot, and the state has the one-device
+names and shapes, so a slot moves between a one-device engine and a DP one. Decoder bounded replay
+(``decoder_replay``) pads every rank's decoder tokens to one bucket. Over a mesh the logits-only ``execute`` is
+not supported yet (``ValueError``); several processes
 (``jax.distributed``) pass the same host inputs, which become global arrays (``parallel.mesh.put_global``).
 """
 
@@ -96,12 +99,51 @@ def _slot_state(cache, slot):
     return state
 
 
-def _set_slot_state(cache, slot, state):
-    """Write a ``_slot_state`` copy into ``slot``."""
-    out = {**cache, "swa": jax.tree.map(lambda a, r: a.at[:, slot].set(r), cache["swa"], state["swa"]),
-           "comp": jax.tree.map(lambda a, r: a.at[slot].set(r), cache["comp"], state["comp"])}
+def _rank_slot_state(cache, slot, at):
+    """``_slot_state`` of DP rank ``at[0]``'s slot in a stacked cache, as gathers (``_rank_snapshot``'s way: each
+    device reads its own rank's slice, masked, and all-reduces combine them): the slot state's layout."""
+    rank = at[0][None]
+    state = {"swa": jax.tree.map(lambda a: a[rank, :, slot][0], cache["swa"]),
+             "comp": jax.tree.map(lambda a: a[rank, slot][0], cache["comp"])}
     if "engram" in cache:
-        out["engram"] = cache["engram"].at[slot].set(state["engram"])
+        state["engram"] = cache["engram"][rank, slot][0]
+    return state
+
+
+def _one_rank_slot_state(mesh, dp_axes, cache, slot, at):
+    """``_rank_slot_state`` with one collective: per rank (``shard_map`` over the DP axes) the local slot state as
+    bytes, zero unless this is rank ``at[0]``, then one all-reduce (``psum``) of the state's bytes over the DP
+    axes; the bytes become the leaves again. Nothing of the cache beyond the one slot leaves a device."""
+    from jax.sharding import PartitionSpec
+
+    part = {k: cache[k] for k in ("swa", "comp", "engram") if k in cache}
+    shapes = jax.eval_shape(lambda c: _slot_state(jax.tree.map(lambda a: a[0], c), 0), part)
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+
+    def local(c, slot, rank):
+        state = jax.tree.leaves(_slot_state(jax.tree.map(lambda a: a[0], c), slot))
+        raw = jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in state])
+        return jax.lax.psum(jnp.where(jax.lax.axis_index(dp_axes) == rank, raw, 0).astype(jnp.uint8), dp_axes)
+
+    dp, rep = PartitionSpec(dp_axes), PartitionSpec()
+    raw = jax.shard_map(local, mesh=mesh, in_specs=(dp, rep, rep), out_specs=rep, axis_names=set(dp_axes),
+                        check_vma=False)(part, slot, at[0])
+    out, start = [], 0
+    for leaf in leaves:
+        width = jnp.dtype(leaf.dtype).itemsize
+        n = int(np.prod(leaf.shape, dtype=np.int64)) * width
+        chunk = raw[start : start + n].reshape(*leaf.shape, width) if width > 1 else raw[start : start + n]
+        out.append(jax.lax.bitcast_convert_type(chunk, leaf.dtype).reshape(leaf.shape))
+        start += n
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _set_slot_state(cache, slot, state, at=()):
+    """Write a ``_slot_state`` copy into ``slot`` (``at``: the DP rank's slice of a stacked cache, as ``_restore``)."""
+    out = {**cache, "swa": jax.tree.map(lambda a, r: a.at[(*at, slice(None), slot)].set(r), cache["swa"], state["swa"]),
+           "comp": jax.tree.map(lambda a, r: a.at[(*at, slot)].set(r), cache["comp"], state["comp"])}
+    if "engram" in cache:
+        out["engram"] = cache["engram"].at[(*at, slot)].set(state["engram"])
     return out
 
 
@@ -253,6 +295,9 @@ class ModelRunner:
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,), out_shardings=dp)
         self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,), out_shardings=dp)
         self._write_blocks_fn = jax.jit(_write_blocks, donate_argnums=(0,), out_shardings=dp)
+        self._slot_state_fn = jax.jit(functools.partial(_one_rank_slot_state, mesh, tuple(preset.dp_axes)),
+                                      out_shardings=self._replicated)
+        self._set_slot_state_fn = jax.jit(_set_slot_state, donate_argnums=(0,), out_shardings=dp)
         one_rank = jax.eval_shape(lambda c: jax.tree.map(lambda a: a[0], c["global"]), self.cache)
         flat, self._global_def = jax.tree_util.tree_flatten_with_path(one_rank)
         self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
@@ -377,28 +422,37 @@ class ModelRunner:
         else:
             self.cache = self._restore_fn(self.cache, *self._host_args(np.int32(slot), snapshot, pos, ids, *at))
 
-    def snapshot_slot(self, slot: int) -> dict[str, np.ndarray]:
+    def snapshot_slot(self, slot: int, rank: int = 0) -> dict[str, np.ndarray]:
         """Dispatch a copy of ``slot``'s whole per-request state (SWA rings, compressor groups, Engram
         look-back) after the launched steps: with the block KV it is the exact state at any position,
         not only at a block boundary (a handoff between engines, ``cluster.handoff``). Returns a
-        ``name -> device array`` dict (``to_host`` fetches it)."""
-        self._one_device("snapshot_slot")
-        flat, _ = jax.tree_util.tree_flatten_with_path(self._slot_state_fn(self.cache, np.int32(slot)))
+        ``name -> device array`` dict (``to_host`` fetches it). ``rank``: the DP rank whose slot it is (over a
+        mesh the copy reads that rank's slice only and comes back replicated, with the one-device names and shapes)."""
+        at = self._at(rank)
+        flat, _ = jax.tree_util.tree_flatten_with_path(
+            self._slot_state_fn(self.cache, *self._host_args(np.int32(slot), *at)))
         return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
 
+    def _slot_shapes(self):
+        """The abstract ``snapshot_slot`` result (one rank's, over a mesh)."""
+        if self.mesh is None:
+            return jax.eval_shape(_slot_state, self.cache, np.int32(0))
+        return jax.eval_shape(_rank_slot_state, self.cache, np.int32(0), (np.int32(0),))
+
     def slot_state_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``name -> (shape, dtype)`` of a ``snapshot_slot`` result (what a handoff must carry)."""
-        shapes = jax.eval_shape(_slot_state, self.cache, np.int32(0))
-        flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
+        """``name -> (shape, dtype)`` of a ``snapshot_slot`` result (what a handoff must carry); the same on one
+        device and over a mesh with the same per-rank cache, so a slot moves between the two."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(self._slot_shapes())
         return {jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flat}
 
-    def restore_slot(self, slot: int, state: dict[str, np.ndarray]) -> None:
-        """Put a ``snapshot_slot`` copy (host or device arrays, by name) into ``slot`` before its next step."""
-        self._one_device("restore_slot")
-        shapes = jax.eval_shape(_slot_state, self.cache, np.int32(0))
-        flat, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    def restore_slot(self, slot: int, state: dict[str, np.ndarray], rank: int = 0) -> None:
+        """Put a ``snapshot_slot`` copy (host or device arrays, by name) into ``slot`` before its next step.
+        ``rank``: the DP rank whose slot it is (over a mesh only that rank's slice is written)."""
+        at = self._at(rank)
+        flat, tree = jax.tree_util.tree_flatten_with_path(self._slot_shapes())
         leaves = [state[jax.tree_util.keystr(path)] for path, _ in flat]
-        self.cache = self._set_slot_state_fn(self.cache, np.int32(slot), jax.tree_util.tree_unflatten(tree, leaves))
+        rows = jax.tree_util.tree_unflatten(tree, leaves)
+        self.cache = self._set_slot_state_fn(self.cache, *self._host_args(np.int32(slot), rows, *at))
 
     def _io_ids(self, block_ids: Sequence[int], pad: int) -> list[np.ndarray]:
         """Block ids in fixed-size groups (one compiled shape), padded with ``pad``."""
