@@ -518,7 +518,7 @@ def _fast_role(capacity, min_instances, max_instances):
 
 
 def _in_service(c, role):
-    return len([i for i in c._live(role) if i.retire_at is None and not i.draining])
+    return len([i for i in c._live(role) if i.retire_at is None and not i.draining and not i.pooled])
 
 
 def _scale_up_then_down(ref, c, role, settings, seed):
@@ -624,5 +624,47 @@ def test_cluster_autoscaler_replaces_a_dead_decode_instance(ref, cluster):
     ups = [e for e in cluster.stats.scale_events if e.role == "decode" and e.reason == "below min_instances"]
     assert ups and (ups[-1].before, ups[-1].after) == (n_d - 1, n_d) and _in_service(cluster, "decode") == n_d
     assert _tokens(got) == _tokens(_reference(ref, prompts, sp))
+    for r in rids:
+        cluster.requests.pop(r, None)
+
+
+def test_cluster_autoscaler_scales_up_from_the_ready_pool_at_once(ref, cluster):
+    """A ready pool of one: the scale-up puts the pool's started decode instance in service in the same
+    tick (routed to at once, no engine start to wait for) and starts a new pool instance behind it;
+    switching the autoscaler off stops the pool. Outputs equal colocated."""
+    from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
+
+    n_p, n_d = _in_service(cluster, "prefill"), _in_service(cluster, "decode")
+    cluster.enable_autoscaler(AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1.0, n_d, n_d + 1),
+                                                 ready_pool=1, tick_s=0.2))
+    pooled = list(cluster.scaler.pool)
+    assert [i.role for i in pooled] == ["decode"] and not pooled[0].accepting
+    assert _in_service(cluster, "decode") == n_d  # a pooled instance is not in service
+    events, start = cluster.stats.scale_events, len(cluster.stats.scale_events)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(70, (18, 33, 25, 40))
+    try:
+        end = time.perf_counter() + 300
+        while not pooled[0].ready:  # the pool's engine starts in the background
+            assert time.perf_counter() < end, "the pool instance did not start"
+            cluster.step(timeout_s=0.1)
+        assert not pooled[0].accepting and not events[start:]
+        rids = cluster.submit([{"prompt_token_ids": p} for p in prompts], sp)
+        got, up = {}, None
+        while len(got) < len(rids):
+            assert time.perf_counter() < end, "unfinished"
+            for o in cluster.step(timeout_s=0.1):
+                got[o.request_id] = o
+            ups = [e for e in events[start:] if e.role == "decode" and e.after > e.before]
+            if up is None and ups:
+                up = ups[0]
+                assert up.from_pool == 1 and pooled[0].accepting and not pooled[0].pooled  # in service at once
+                refill = cluster.scaler.pool
+                assert len(refill) == 1 and refill[0] is not pooled[0] and refill[0].role == "decode"
+        assert up is not None, "no scale-up"
+    finally:
+        cluster.enable_autoscaler(None)
+    assert not refill[0].alive  # the pool stopped with the scaler
+    assert _tokens([got[r] for r in rids]) == _tokens(_reference(ref, prompts, sp))
     for r in rids:
         cluster.requests.pop(r, None)

@@ -151,6 +151,7 @@ class _Instance:
     ready: bool = True  # False while a non-blocking start waits for the engine (not routed to)
     draining: bool = False  # prefill going offline: no new requests, stopped once it has none
     dp_size: int = 1  # the engine's DP ranks (``EngineActor.info``)
+    pooled: bool = False  # in the autoscaler's ready pool: booted, not in service (``cluster.scaling``)
 
 
 class Cluster:
@@ -217,6 +218,8 @@ class Cluster:
         """Scale live with ``settings`` from now on (the policy starts from the instances in service),
         or stop scaling (None)."""
         settings = check_settings(settings)
+        if self.scaler is not None:
+            self.scaler.close()  # its ready pool's idle instances stop
         self.scaler = None if settings is None else LiveScaler(self, settings, time.perf_counter())
 
     # ---- instances ----
@@ -382,7 +385,7 @@ class Cluster:
                 self._lost(inst, rest[0] if kind == "work" else [])
                 continue
             if kind == "info":
-                inst.ready = inst.accepting = True
+                inst.ready, inst.accepting = True, not inst.pooled
                 inst.dp_size = answer["dp_size"]
             elif kind == "forward":
                 finished += self._forwarded(inst, *answer)

@@ -6,12 +6,20 @@ previous tick (from the entry prefix match the router does for every request it 
 **running requests** on the decode side (routed there and not finished). ``Autoscaler.tick`` turns
 them into a ``ScaleDecision``, applied at once:
 
-* **scale-up**: ``Cluster.add_instance(role, wait=False)``, a new Ray actor, not routed to until it
-  has answered ``info`` (its engine has started); the router keeps stepping meanwhile;
+* **scale-up**: an instance of the role from the **ready pool** when one is there (in service at
+  once: its engine has already started), else ``Cluster.add_instance(role, wait=False)``, a new Ray
+  actor, not routed to until it has answered ``info`` (its engine has started, a cold start); the
+  router keeps stepping meanwhile;
 * **scale-down**, an instance still starting first (killed at once), else the accepting one with
   the fewest requests (never the last one accepting): decode ``retire_decode`` (the grace period,
   then its unfinished requests forwarded, as for going offline by hand); prefill: no new requests,
   and its actor is stopped once it has answered every request it has.
+
+The ready pool is ``AutoscalerSettings.ready_pool`` instances booted beside those in service (their
+engines started, nothing routed to them), decode and prefill in turn (decode first: the role whose
+requests wait on it mid-generation). A pooled instance taken into service is replaced by a new one
+started in the background, so a burst finds capacity without waiting for an engine to start; the
+pool is stopped with the scaler (``Cluster.enable_autoscaler(None)``, ``Cluster.shutdown``).
 
 The policy's bounds, cooldowns, burst hold (the spare quota) and its "no scale-down above 80% quota
 use" apply as ``decide`` rules them; after each tick the policy's instance counts are set to the
@@ -40,6 +48,7 @@ class ScaleEvent:
     before: int
     after: int
     reason: str
+    from_pool: int = 0  # instances of the scale-up taken from the ready pool (in service at once)
 
 
 def check_settings(settings) -> AutoscalerSettings | None:
@@ -66,13 +75,43 @@ class LiveScaler:
         self.policy = Autoscaler.start(settings, self.in_service("prefill"), self.in_service("decode"))
         self.last = now
         self.uncached = 0
+        self.pool: list = []  # live._Instance: booted, not in service
+        self._fill_pool()
 
     def in_service(self, role: str) -> int:
         """Instances of ``role`` alive and not going offline (starting ones included)."""
         return len(self._serving(role))
 
     def _serving(self, role: str) -> list:
-        return [i for i in self.cluster.instances[role] if i.alive and i.retire_at is None and not i.draining]
+        return [i for i in self.cluster.instances[role]
+                if i.alive and i.retire_at is None and not i.draining and not i.pooled]
+
+    def _fill_pool(self) -> None:
+        """Start what the ready pool lacks: ``ready_pool`` instances, decode and prefill in turn."""
+        self.pool = [i for i in self.pool if i.alive]
+        want = [("decode", "prefill")[k % 2] for k in range(self.settings.ready_pool)]
+        for role in ("decode", "prefill"):
+            for _ in range(want.count(role) - sum(1 for i in self.pool if i.role == role)):
+                inst = self.cluster.instances[role][self.cluster.add_instance(role, wait=False)]
+                inst.pooled = True
+                self.pool.append(inst)
+
+    def _from_pool(self, role: str) -> bool:
+        """Put a pooled instance of ``role`` in service (a started one first); False if the pool has none."""
+        pooled = sorted((i for i in self.pool if i.alive and i.role == role), key=lambda i: not i.ready)
+        if not pooled:
+            return False
+        inst = pooled[0]
+        self.pool.remove(inst)
+        inst.pooled, inst.accepting = False, inst.ready  # a starting one is routed to once it answers
+        return True
+
+    def close(self) -> None:
+        """Stop the ready pool's instances (the scaler is being replaced or switched off)."""
+        for inst in self.pool:
+            if inst.alive:
+                self.cluster.stop_instance(inst)
+        self.pool = []
 
     def count_uncached(self, tokens: int) -> None:
         self.uncached += tokens
@@ -90,17 +129,19 @@ class LiveScaler:
         for role in ("prefill", "decode"):
             delta = getattr(decision, role)
             before = self.in_service(role)
-            for _ in range(delta):
+            pooled = sum(self._from_pool(role) for _ in range(max(delta, 0)))
+            for _ in range(delta - pooled):
                 c.add_instance(role, wait=False)
             for _ in range(-delta):
                 if not self._scale_down(role):
                     break
             after = self.in_service(role)
             if after != before:
-                c.stats.scale_events.append(ScaleEvent(now, role, before, after, reasons.get(role, "")))
+                c.stats.scale_events.append(ScaleEvent(now, role, before, after, reasons.get(role, ""), pooled))
             state = getattr(self.policy, role)
             if state.current != after:  # a change the cluster could not make (or one it did not ask for)
                 setattr(self.policy, role, dataclasses.replace(state, current=after))
+        self._fill_pool()
         return True
 
     def _scale_down(self, role: str) -> bool:
