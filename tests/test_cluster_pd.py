@@ -668,3 +668,19 @@ def test_cluster_autoscaler_scales_up_from_the_ready_pool_at_once(ref, cluster):
     assert _tokens([got[r] for r in rids]) == _tokens(_reference(ref, prompts, sp))
     for r in rids:
         cluster.requests.pop(r, None)
+
+
+def test_cluster_with_a_dp_decode_instance_equals_colocated(ref, cluster):
+    """A DP engine (cpu-dp2-ep4 on its actor's 8 fake devices) as one decode instance on Ray: every
+    request handed over exactly (nothing recomputed), spread over its ranks, tokens equal colocated."""
+    from deepinfer_jax.cluster import Cluster
+
+    prompts = _prompts(31, (5, 16, 37, 50))
+    with Cluster(prefill=1, decode=1, model="tiny", decode_grace_s=0.0,
+                 decode_settings={"sharding": "cpu-dp2-ep4"}, **KW) as dp:
+        assert [i.dp_size for i in dp.instances["decode"]] == [2]
+        outs = dp.generate([{"prompt_token_ids": p} for p in prompts], SP, timeout_s=600)
+        assert dp.stats.exact == len(prompts) and not dp.stats.recomputed and dp.stats.duplicates == 0
+        stats = dp._ray.get(dp.instances["decode"][0].actor.stats.remote())
+    assert _tokens(outs) == _tokens(_reference(ref, prompts))
+    assert len(stats["rank_requests"]) == 2 and min(stats["rank_requests"]) > 0  # both ranks decoded
