@@ -29,7 +29,7 @@ cluster-demo: $(VENV)/.test
 	$(PY) examples/cluster_demo.py
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/startup.py
