@@ -642,17 +642,19 @@ def test_cluster_autoscaler_scales_up_from_the_ready_pool_at_once(ref, cluster):
     assert _in_service(cluster, "decode") == n_d  # a pooled instance is not in service
     events, start = cluster.stats.scale_events, len(cluster.stats.scale_events)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = _prompts(70, (18, 33, 25, 40))
+    sent = []  # (request id, prompt)
     try:
         end = time.perf_counter() + 300
         while not pooled[0].ready:  # the pool's engine starts in the background
             assert time.perf_counter() < end, "the pool instance did not start"
             cluster.step(timeout_s=0.1)
         assert not pooled[0].accepting and not events[start:]
-        rids = cluster.submit([{"prompt_token_ids": p} for p in prompts], sp)
         got, up = {}, None
-        while len(got) < len(rids):
-            assert time.perf_counter() < end, "unfinished"
+        while up is None or len(got) < len(sent):  # four requests in flight until the scale-up
+            assert time.perf_counter() < end, "no scale-up" if up is None else "unfinished"
+            if up is None and sum(1 for r, _ in sent if r not in got) < 4:
+                batch = _prompts(70 + len(sent), (18, 33))
+                sent += zip(cluster.submit([{"prompt_token_ids": p} for p in batch], sp), batch)
             for o in cluster.step(timeout_s=0.1):
                 got[o.request_id] = o
             ups = [e for e in events[start:] if e.role == "decode" and e.after > e.before]
@@ -661,10 +663,10 @@ def test_cluster_autoscaler_scales_up_from_the_ready_pool_at_once(ref, cluster):
                 assert up.from_pool == 1 and pooled[0].accepting and not pooled[0].pooled  # in service at once
                 refill = cluster.scaler.pool
                 assert len(refill) == 1 and refill[0] is not pooled[0] and refill[0].role == "decode"
-        assert up is not None, "no scale-up"
     finally:
         cluster.enable_autoscaler(None)
     assert not refill[0].alive  # the pool stopped with the scaler
+    rids, prompts = [r for r, _ in sent], [p for _, p in sent]
     assert _tokens([got[r] for r in rids]) == _tokens(_reference(ref, prompts, sp))
     for r in rids:
         cluster.requests.pop(r, None)

@@ -88,7 +88,7 @@ class _Role:
     def _state(self, r, length: int):
         """Dispatch copies of ``r``'s slot state and its first ``ceil(length / B)`` blocks (device arrays)."""
         nb = math.ceil(length / self.block_size)
-        at = self.engine._at_rank(r)  # a DP engine: the request's rank's slice
+        at = self.engine.rank_args(r)  # a DP engine: the request's rank's slice
         return self.llm.runner.snapshot_slot(r.slot, **at), self.llm.runner.read_blocks(r.blocks.block_ids[:nb], **at)
 
     def _handoff(self, r, output_ids, logprobs, state, source: str) -> Handoff:
@@ -211,7 +211,7 @@ class DecodeInstance(_Role):
         ``rank``: the DP rank of a DP engine to run it on (the cluster's decode balancer; None: the engine's
         DP router picks; ``RequestError("rank")`` out of range). Returns how: ``"exact"``, or
         ``"recompute:<reason>"``."""
-        self.engine._check_rank(rank)
+        self.engine.check_rank(rank)
         kw = {"prompt": prompt, "request_id": request_id, "num_cached_tokens": num_cached_tokens, "rank": rank}
         if data is None:
             return self._recompute("no_state", prompt_ids, params, output_ids, **kw)

@@ -176,7 +176,7 @@ class EngineCore:
         """The scheduler an unfinished request runs under (``DPEngineCore``: its DP rank's)."""
         return self.scheduler
 
-    def _at_rank(self, r: Request) -> dict:
+    def rank_args(self, r: Request) -> dict:
         """The runner's cache-copy arguments naming an unfinished request's DP rank (one device: none)."""
         return {}
 
@@ -194,7 +194,7 @@ class EngineCore:
         there and computes nothing before; without, it recomputes its tokens (the prefix cache may
         hit). ``logprobs`` / ``prompt_logprobs``: what the earlier engine reported for them. ``rank``: the DP
         rank to run it on (``DPEngineCore``; None: the DP router picks; one device: None or 0)."""
-        self._check_rank(rank)
+        self.check_rank(rank)
         if not output_ids:
             raise RequestError("output_ids", "a continuation needs at least one generated token")
         if admit is not None and admit.length != len(prompt_ids) + len(output_ids) - 1:
@@ -218,7 +218,7 @@ class EngineCore:
         self._enqueue(req, rank)
         return req.request_id
 
-    def _check_rank(self, rank: int | None) -> None:
+    def check_rank(self, rank: int | None) -> None:
         """``RequestError("rank")`` unless ``rank`` is None or one of this engine's DP ranks (one device: 0)."""
         ranks = getattr(self.runner, "dp_size", 1)
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks):
@@ -363,7 +363,7 @@ class EngineCore:
         """Prefix-cache hits: their uploaded blocks and saved windows go into their slots (on their DP rank)
         before the step; engine roles: a whole slot from another engine."""
         for c in chunks:
-            at = self._at_rank(c.request)
+            at = self.rank_args(c.request)
             if c.request.uploads:
                 ids, payloads = zip(*c.request.uploads)
                 self.runner.write_blocks(list(ids), list(payloads), **at)
@@ -399,12 +399,12 @@ class EngineCore:
             if c.verify:  # it may cross a block boundary: copy now, keep it if it did (``_crossed``)
                 hi = r.max_tokens_on_device - 1  # the latest boundary this step can reach
                 if hi // bs * bs > c.start and not r.approximate and not r.decoder_from:
-                    step.crossings[i] = self.runner.snapshot_swa(r.slot, **self._at_rank(r))
+                    step.crossings[i] = self.runner.snapshot_swa(r.slot, **self.rank_args(r))
             elif end in r.snapshot_points:
-                step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot, **self._at_rank(r))))
+                step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot, **self.rank_args(r))))
                 r.snapshot_points.remove(end)
             elif end % bs == 0 and c.start >= len(r.prompt_ids) and not r.approximate and not r.decoder_from:
-                r.swa_copy = (end, self.runner.snapshot_swa(r.slot, **self._at_rank(r)))
+                r.swa_copy = (end, self.runner.snapshot_swa(r.slot, **self.rank_args(r)))
 
     def _save_snapshot(self, r: Request, position: int, arrays) -> None:
         # digests and the window store are every rank's (``DPEngineCore`` shares rank 0's window store)
@@ -552,7 +552,7 @@ class EngineCore:
             if prefix.new_blocks:  # copy them off the device now, before a later step may reuse the blocks
                 new, prefix.new_blocks = prefix.new_blocks, []
                 self._late_writeback.append(([d for _, d in new],
-                                             self.runner.read_blocks([b for b, _ in new], **self._at_rank(r))))
+                                             self.runner.read_blocks([b for b, _ in new], **self.rank_args(r))))
         if r.swa_copy is not None and prefix is not None:
             self._save_snapshot(r, *r.swa_copy)
         r.swa_copy = None

@@ -162,7 +162,7 @@ class DPEngineCore(EngineCore):
     def _scheduler_of(self, r: Request) -> Scheduler:
         return self.schedulers[self._rank[r.request_id]]
 
-    def _at_rank(self, r: Request) -> dict:
+    def rank_args(self, r: Request) -> dict:
         return {"rank": self._rank[r.request_id]}
 
     def _ranks(self) -> list[tuple[Scheduler, dict]]:
