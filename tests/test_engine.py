@@ -94,7 +94,10 @@ def test_async_on_and_off_give_identical_outputs(llm):
 def test_jitted_generate_equals_the_engine(llm, params):
     prompts = np.asarray(_prompts(4, 3, 20, 21))
     gen = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
-    toks = np.asarray(gen(params, CFG, prompts, jax.random.key(0), max_new_tokens=9, stop_at_eos=False))
+    # temperature passed (0.0: greedy) so that the greedy and the sampled calls below run one program
+    toks = np.asarray(gen(params, CFG, prompts, jax.random.key(0), max_new_tokens=9, temperature=0.0,
+                          stop_at_eos=False))
+    assert gen._cache_size() == 1
     want = _ids(_run(llm, prompts.tolist(), SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)))
     assert toks.tolist() == want
     # the same static settings as above: one compiled program serves all three calls
@@ -103,6 +106,7 @@ def test_jitted_generate_equals_the_engine(llm, params):
     again = np.asarray(gen(params, CFG, prompts, jax.random.key(1), max_new_tokens=9, temperature=1.0,
                            stop_at_eos=False))
     assert sampled.tolist() == again.tolist() and sampled.tolist() != toks.tolist()
+    assert gen._cache_size() == 1
 
 
 def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompile(llm, params):
@@ -120,9 +124,14 @@ def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompi
     assert sampled[0] == want[0] and sampled[1:] != want[1:]  # the greedy row stays greedy
     ids, lens = pad_prompts(prompts)
     assert ids.shape[1] % 16 == 0 and lens.tolist() == [len(p) for p in prompts]
-    gen = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
-    rect = np.asarray(gen(params, CFG, ids, jax.random.key(0), 6, prompt_lengths=lens, stop_at_eos=False))
-    assert rect.tolist() == want
+    # a rectangular [B, T] batch with per-row lengths through the same jitted ``generate`` (the batch padded to
+    # the ragged call's 4 rows and the settings given as [B] arrays, so the program above serves it)
+    ids, lens = pad_prompts(prompts, batch_to=4)
+    greedy = (np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32), np.zeros(4, np.float32))
+    rect = np.asarray(generate_module._jitted(params, CFG, ids, jax.random.key(0), 6, *greedy, prompt_lengths=lens,
+                                              storage="quantized", stop_at_eos=False))
+    assert generate_module._jitted._cache_size() == compiled
+    assert rect[:3].tolist() == want
 
 
 @pytest.mark.parametrize("bad, field", [([], "at least one"), ([[1, 2], []], "prompts[1]"), ([[1, 2.5]], "prompts[0]"),
@@ -319,7 +328,8 @@ def _digest_req(prompt):
 
 
 def test_restarted_engine_hits_the_block_store(params, tmp_path):
-    kw = dict(config=CFG, params=params, max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(32,),
+    # the module engine's settings (so its compiled step programs serve these engines), plus the store
+    kw = dict(config=CFG, params=params, max_num_seqs=32, max_num_batched_tokens=64, token_buckets=(32, 64),
               block_size=16, max_model_len=MAX_LEN, chunking="tokens", use_tqdm=False, block_store=str(tmp_path))
     prompt = np.random.default_rng(10).integers(3, CFG.vocab_size, 75).tolist()
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
