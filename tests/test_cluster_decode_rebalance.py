@@ -111,3 +111,5 @@ def test_simulated_migration_improves_decode_balance():
     assert moved.decode_balance < base.decode_balance
     assert moved.measured == base.measured  # every request still finishes once
     assert moved.tpot_ms[1] < 1.1 * base.tpot_ms[1]  # the pauses are paid, and small
+    settled = simulate(chat, "deepinfer_migrate", shape, rebalance=RebalanceSettings(settle=True))
+    assert 0 < settled.migrations < moved.migrations  # fresh requests are left where routing put them

@@ -31,7 +31,8 @@ KV_BYTES_PER_TOKEN = 890
 class RebalanceSettings:
     """How often and how much the simulator's ``deepinfer_migrate`` policy rebalances: a plan every
     ``tick_s`` over all decode ranks, ``plan_moves`` arguments, and the store read bandwidth of
-    ``migration_pause_s``."""
+    ``migration_pause_s``. ``settle``: a request is not moved within ``cooldown_s`` of its
+    admission either (spares short-lived requests the pause; less balance gained)."""
 
     tick_s: float = 0.25
     max_moves: int = 16
@@ -39,6 +40,7 @@ class RebalanceSettings:
     cooldown_s: float = 1.0
     bandwidth_gb_s: float = 5.0
     keep_rows: bool = True
+    settle: bool = False
 
     def __post_init__(self) -> None:
         check_number("tick_s", self.tick_s, 0.0, strict=True)

@@ -249,16 +249,19 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         retime(i, now)
 
     def rebalance_tick(now):
+        placed = {}  # with ``settle``: admission counts as a placement for the cooldown
         for i in range(D):
             advance(i, now)
         ranks = [[] for _ in range(D * DR)]
         where = {}
         for i in range(D):
             for entry in running[i]:
-                _, rid, r, join, req, _ = entry
+                _, rid, r, join, req, admit_t = entry
                 ranks[i * DR + r].append((rid, req.num_tokens + (progress[i] - join) * tps))
                 where[rid] = (i, entry)
-        locked = dict(last_moved)
+                if rebalance.settle and rid not in last_moved:
+                    placed[rid] = admit_t
+        locked = {**placed, **last_moved}
         for k in range(D * DR):  # in flight: counted on the destination, and never moved again
             if pending[k // DR][k % DR] > 0:
                 ranks[k].append((-1 - k, pending[k // DR][k % DR]))
