@@ -34,7 +34,7 @@ class RebalanceSettings:
     ``migration_pause_s``. ``settle``: a request is not moved within ``cooldown_s`` of its
     admission either (spares short-lived requests the pause; less balance gained)."""
 
-    tick_s: float = 0.25
+    tick_s: float = 0.1
     max_moves: int = 16
     threshold: float = 1.02
     cooldown_s: float = 1.0
