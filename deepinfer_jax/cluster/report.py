@@ -9,18 +9,18 @@ __all__ = ["day_table", "plot_results", "sim_table"]
 
 def sim_table(results) -> str:
     """One row per (trace, policy): TTFT p50/p99 per bucket (ms), TPOT, the balance readings
-    (``SimResult``), occupancy, throughput, hits. ``trace`` is the result's trace name."""
+    (``SimResult``), occupancy, throughput, hits, decode migrations. ``trace`` is the result's trace name."""
     head = ("| trace | policy | TTFT p50/p99 ms <16K | 16-64K | 64-256K | >=256K | TPOT p50/p99 ms |"
             " prefill max/mean step | prefill max/mean window | decode max/mean attn | decode bound |"
-            " decode max/mean step cost | rows/rank | out tok/s | hit | prefill util |")
-    lines = [head, "|" + "---|" * 16]
+            " decode max/mean step cost | rows/rank | out tok/s | hit | prefill util | migrations |")
+    lines = [head, "|" + "---|" * 17]
     for r in results:
         cells = [f"{p50:.0f}/{p99:.0f}" if n else "-" for (p50, p99, n) in r.ttft_ms.values()]
         lines.append(f"| {r.trace} | {r.policy} | " + " | ".join(cells) +
                      f" | {r.tpot_ms[0]:.2f}/{r.tpot_ms[1]:.2f} | {r.prefill_balance:.3f} |"
                      f" {r.prefill_window_balance:.3f} | {r.decode_balance:.3f} | {r.decode_bound:.3f} |"
                      f" {r.decode_step_balance:.3f} | {r.decode_rows:.1f} | {r.output_tok_s:,.0f} | {r.hit_rate:.1%} |"
-                     f" {r.prefill_util:.2f} |")
+                     f" {r.prefill_util:.2f} | {r.migrations} |")
     return "\n".join(lines)
 
 

@@ -16,7 +16,11 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
   blocks its output completed (TPOT = decode time / output tokens).
 * **Policies**: ``deepinfer`` (the prefill balancer's four layers, ``pick_decode_rank``) against
   ``round_robin``, ``request_count`` (vLLM-router style: fewest outstanding requests) and
-  ``random``, each over all ranks, flat.
+  ``random``, each over all ranks, flat; ``deepinfer_migrate``: ``deepinfer`` plus a rebalance every
+  ``RebalanceSettings.tick_s`` (``decode_rebalance.plan_moves`` over all decode ranks): a moved
+  request leaves its rank, is in flight for ``migration_pause_s`` (its KV counted on the
+  destination rank in every reading meanwhile, though it does not decode) and resumes there; the
+  pause is in its TPOT.
 
 Balance readings, each ``sum of the max / sum of the mean`` over samples in the measured window (a
 ratio of averages, so idle moments never divide by zero; docs/cluster.md): ``prefill_balance``,
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
+from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings, migration_pause_s, plan_moves
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
 from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, length_bucket, request_quota
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_digests
@@ -49,7 +54,7 @@ from deepinfer_jax.engine.dp_router import RankLoad
 
 __all__ = ["POLICIES", "ClusterShape", "SimResult", "simulate"]
 
-POLICIES = ("deepinfer", "round_robin", "request_count", "random")
+POLICIES = ("deepinfer", "deepinfer_migrate", "round_robin", "request_count", "random")
 BUCKET_NAMES = ("<16K", "16-64K", "64-256K", ">=256K")
 
 
@@ -92,6 +97,7 @@ class SimResult:
     prefill_window_balance: float  # max/mean over all prefill ranks of the quota each ran per window_s
     decode_bound: float    # the least decode max/mean any placement could reach (largest request / mean)
     decode_step_balance: float     # max/mean of the whole rank step cost d1 * rows + d2 * kv
+    migrations: int = 0            # decode requests moved by the rebalancer (deepinfer_migrate)
 
 
 class _Job:
@@ -103,9 +109,9 @@ class _Job:
 
 def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
              decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
-             drain_s: float = 120.0) -> SimResult:
+             drain_s: float = 120.0, rebalance: RebalanceSettings = RebalanceSettings()) -> SimResult:
     """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
-    (default 20% of the trace)."""
+    (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``."""
     if policy not in POLICIES:
         raise PolicyInputError("policy", f"must be one of {POLICIES}, got {policy!r}")
     if not trace.requests:
@@ -122,7 +128,8 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     queues = [[deque() for _ in range(R)] for _ in range(E)]
     backlog = [[0.0] * R for _ in range(E)]
     stepping = [False] * E
-    balancer = PrefillBalancer(E, shape.round_s * 1e9) if policy == "deepinfer" else None
+    ours = policy in ("deepinfer", "deepinfer_migrate")
+    balancer = PrefillBalancer(E, shape.round_s * 1e9) if ours else None
     # decode state
     rows = [[0] * DR for _ in range(D)]
     base = [[0.0] * DR for _ in range(D)]
@@ -131,7 +138,9 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     last_t = [0.0] * D
     version = [0] * D
     running: list[list] = [[] for _ in range(D)]  # heaps of (finish_step, rid, rank, join, req, admit_t)
-    counters = {"rr_p": 0, "rr_d": 0}
+    counters = {"rr_p": 0, "rr_d": 0, "moves": 0}
+    pending = [[0.0] * DR for _ in range(D)]  # KV of migrating requests, counted on their destination
+    last_moved: dict[int, float] = {}
     events: list = []
     seq = 0
 
@@ -172,7 +181,7 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
             push(now + dt, "decode", (i, version[i]))
 
     def route_prefill(req, quota):
-        if policy == "deepinfer":
+        if ours:
             return balancer.route(req.num_tokens, quota, backlog)
         n = E * R
         if policy == "round_robin":
@@ -185,8 +194,9 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         return k // R, k % R
 
     def route_decode(num_tokens):
-        if policy == "deepinfer":
-            views = [DecodeInstanceView(tuple(RankLoad(rows[i][r], int(kv_of(i, r))) for r in range(DR)))
+        if ours:
+            views = [DecodeInstanceView(tuple(RankLoad(rows[i][r], int(kv_of(i, r) + pending[i][r]))
+                                              for r in range(DR)))
                      for i in range(D)]
             return pick_decode_rank(views, num_tokens)
         n = D * DR
@@ -238,6 +248,56 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         heapq.heappush(running[i], (progress[i] + steps, req.rid, r, progress[i], req, now))
         retime(i, now)
 
+    def rebalance_tick(now):
+        placed = {}  # with ``settle``: admission counts as a placement for the cooldown
+        for i in range(D):
+            advance(i, now)
+        ranks = [[] for _ in range(D * DR)]
+        where = {}
+        for i in range(D):
+            for entry in running[i]:
+                _, rid, r, join, req, admit_t = entry
+                ranks[i * DR + r].append((rid, req.num_tokens + (progress[i] - join) * tps))
+                where[rid] = (i, entry)
+                if rebalance.settle and rid not in last_moved:
+                    placed[rid] = admit_t
+        locked = {**placed, **last_moved}
+        for k in range(D * DR):  # in flight: counted on the destination, and never moved again
+            if pending[k // DR][k % DR] > 0:
+                ranks[k].append((-1 - k, pending[k // DR][k % DR]))
+                locked[-1 - k] = now
+        moves = plan_moves(ranks, rebalance.max_moves, rebalance.threshold, now, locked, rebalance.cooldown_s,
+                           rebalance.keep_rows)
+        touched = set()
+        for mv in moves:
+            if mv.rid < 0:
+                continue
+            i, entry = where[mv.rid]
+            finish, rid, r, join, req, admit_t = entry
+            running[i].remove(entry)
+            heapq.heapify(running[i])
+            rows[i][r] -= 1
+            base[i][r] -= req.num_tokens - join * tps
+            j, r2 = divmod(mv.dst, DR)
+            pending[j][r2] += mv.kv
+            pause = migration_pause_s(mv.kv, rebalance.bandwidth_gb_s)
+            last_moved[rid] = now + pause
+            counters["moves"] += 1
+            push(now + pause, "land", (j, r2, mv.kv, finish - progress[i], req, admit_t))
+            touched.add(i)
+        for i in touched:
+            retime(i, now)
+
+    def land(payload, now):
+        j, r, kv, steps_left, req, admit_t = payload
+        advance(j, now)
+        pending[j][r] -= kv
+        join = progress[j] - (kv - req.num_tokens) / tps
+        rows[j][r] += 1
+        base[j][r] += req.num_tokens - join * tps
+        heapq.heappush(running[j], (progress[j] + steps_left, req.rid, r, join, req, admit_t))
+        retime(j, now)
+
     for req in trace.requests:
         push(req.arrival, "arrive", req)
     t = 0.0
@@ -249,6 +309,11 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         while t < t_end + drain_s:
             push(t, "round", None)
             t += shape.round_s
+    if policy == "deepinfer_migrate":
+        t = rebalance.tick_s
+        while t < t_end + drain_s:
+            push(t, "rebalance", None)
+            t += rebalance.tick_s
     limit = t_end + drain_s
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -304,15 +369,20 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
             if now >= warm:
                 for i in range(D):
                     advance(i, now)
-                att = [dm.attention_ns(kv_of(i, r)) for i in range(D) for r in range(DR)]
+                att = [dm.attention_ns(kv_of(i, r) + pending[i][r]) for i in range(D) for r in range(DR)]
                 mean = sum(att) / len(att)
                 samples_d.append((max(att), mean))
                 biggest = max((req.num_tokens + (progress[i] - join) * tps for i in range(D)
                                for (_, _, _, join, req, _) in running[i]), default=0.0)
+                biggest = max(biggest, max(map(max, pending)))  # a migrating request (upper bound)
                 samples_bound.append((max(dm.attention_ns(biggest), mean), mean))
-                cost = [dm.rank_ns(rows[i][r], kv_of(i, r)) for i in range(D) for r in range(DR)]
+                cost = [dm.rank_ns(rows[i][r], kv_of(i, r) + pending[i][r]) for i in range(D) for r in range(DR)]
                 samples_step.append((max(cost), sum(cost) / len(cost)))
                 rows_samples.append(sum(map(sum, rows)) / (D * DR))
+        elif kind == "rebalance":
+            rebalance_tick(now)
+        elif kind == "land":
+            land(payload, now)
         elif kind == "round":
             balancer.end_round([sum(b) for b in backlog])
 
@@ -330,4 +400,5 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         (pct(tpot, 50), pct(tpot, 99)), ratio(samples_p), ratio(samples_d), out_tokens / span, in_tokens / span,
         hit_tokens / in_tokens if in_tokens else 0.0, finished, measured, quota_in / (E * R * span * 1e9),
         sum(rows_samples) / max(len(rows_samples), 1),
-        ratio([(max(w), sum(w) / len(w)) for w in windows]), ratio(samples_bound), ratio(samples_step))
+        ratio([(max(w), sum(w) / len(w)) for w in windows]), ratio(samples_bound), ratio(samples_step),
+        counters["moves"])

@@ -1,0 +1,149 @@
+"""Decode rebalancing by migration (issue 23, the decode balance target; docs/cluster.md).
+
+Routing places a decode request once, at admission; afterwards requests grow and finish at
+different times, so the per-rank KV sums drift apart. ``plan_moves`` is the periodic correction: a
+pure function over the decode ranks' running requests that plans a bounded number of migrations
+from the most loaded rank to the least loaded one, each chosen to lower the larger of the two
+ranks' loads the most (the request nearest half their gap). It plans nothing while
+``max / mean <= threshold``, never plans a move that would raise the largest load, and skips
+requests moved within ``cooldown_s`` (no ping-pong). A moved request leaves its rank and resumes on
+the other one after ``migration_pause_s``: its KV blocks read back from the shared block store (the
+forwarding path of the live cluster, ``DecodeInstance.forward_unfinished``).
+
+Pure Python; bad input raises ``PolicyInputError`` (a ``ValueError``) naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_nonempty, check_number
+
+__all__ = ["KV_BYTES_PER_TOKEN", "Move", "RebalanceSettings", "migration_pause_s", "plan_moves"]
+
+# The model's compressed global KV per token (docs/model.md §4.8: 890 B); the SWA window and the
+# other slot state travel in a fixed-size part covered by ``fixed_s``.
+KV_BYTES_PER_TOKEN = 890
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    """How often and how much the simulator's ``deepinfer_migrate`` policy rebalances: a plan every
+    ``tick_s`` over all decode ranks, ``plan_moves`` arguments, and the store read bandwidth of
+    ``migration_pause_s``. ``settle``: a request is not moved within ``cooldown_s`` of its
+    admission either (spares short-lived requests the pause; less balance gained)."""
+
+    tick_s: float = 0.1
+    max_moves: int = 16
+    threshold: float = 1.02
+    cooldown_s: float = 1.0
+    bandwidth_gb_s: float = 5.0
+    keep_rows: bool = True
+    settle: bool = False
+
+    def __post_init__(self) -> None:
+        check_number("tick_s", self.tick_s, 0.0, strict=True)
+        check_int("max_moves", self.max_moves)
+        check_number("threshold", self.threshold, 1.0)
+        check_number("cooldown_s", self.cooldown_s)
+        check_number("bandwidth_gb_s", self.bandwidth_gb_s, 0.0, strict=True)
+
+
+@dataclass(frozen=True)
+class Move:
+    """Migrate request ``rid`` (``kv`` tokens) from rank ``src`` to rank ``dst`` (flat rank indices)."""
+
+    rid: int
+    src: int
+    dst: int
+    kv: float
+
+
+def migration_pause_s(kv_tokens: float, bandwidth_gb_s: float = 5.0, bytes_per_token: float = KV_BYTES_PER_TOKEN,
+                      fixed_s: float = 0.02) -> float:
+    """Seconds a migrated request does not decode: ``fixed_s`` (the hand-over round trip and the
+    slot state) plus its KV blocks read from the store at ``bandwidth_gb_s`` GB/s (default 5 GB/s,
+    an assumption: one rank's share of an RDMA store read)."""
+    check_number("kv_tokens", kv_tokens)
+    check_number("bandwidth_gb_s", bandwidth_gb_s, 0.0, strict=True)
+    check_number("bytes_per_token", bytes_per_token)
+    check_number("fixed_s", fixed_s)
+    return fixed_s + kv_tokens * bytes_per_token / (bandwidth_gb_s * 1e9)
+
+
+def plan_moves(ranks: Sequence[Sequence[tuple[int, float]]], max_moves: int = 4, threshold: float = 1.05,
+               now: float = 0.0, last_moved: Mapping[int, float] | None = None, cooldown_s: float = 5.0,
+               keep_rows: bool = False) -> list[Move]:
+    """Moves for the decode ranks ``ranks[k] = [(request id, kv tokens), ...]`` (flat over instances).
+
+    Greedy, at most ``max_moves``: while the ranks' KV ``max / mean > threshold``, take the most
+    loaded rank and the least loaded one and move the request (not moved since ``now - cooldown_s``
+    per ``last_moved``, nor earlier in this plan) that minimises the larger of their two new loads,
+    provided it is below the old maximum; stop when there is none. With ``keep_rows`` a single move
+    only goes to a rank with fewer requests than the busiest one (the rows term of the step time is
+    not made worse). Also considered, when two moves are left: a swap of a request of the most loaded
+    rank with a smaller one of the least loaded (rows unchanged), which packs large requests that no
+    single move fits. Ties prefer one migration, then fewer tokens moved (a shorter pause), then the
+    lower rank and request id, so a plan is deterministic."""
+    check_nonempty("ranks", ranks)
+    check_int("max_moves", max_moves)
+    check_number("threshold", threshold, 1.0)
+    check_number("now", now, None)
+    check_number("cooldown_s", cooldown_s)
+    last_moved = {} if last_moved is None else last_moved
+    held: list[list[tuple[int, float]]] = []
+    seen: set[int] = set()
+    for k, reqs in enumerate(ranks):
+        rank = []
+        for rid, kv in reqs:
+            if isinstance(rid, bool) or not isinstance(rid, int) or rid in seen:
+                raise PolicyInputError(f"ranks[{k}]", f"request ids must be distinct integers, got {rid!r}")
+            check_number(f"ranks[{k}]", kv)
+            seen.add(rid)
+            rank.append((rid, float(kv)))
+        held.append(rank)
+    loads = [sum(kv for _, kv in r) for r in held]
+    n = len(loads)
+    moved: set[int] = {rid for rid, t in last_moved.items() if now - t < cooldown_s}
+    plan: list[Move] = []
+    while len(plan) < max_moves:
+        total = sum(loads)
+        if total <= 0 or max(loads) * n <= threshold * total:
+            break
+        src = max(range(n), key=lambda k: (loads[k], -k))
+        low = min((k for k in range(n) if k != src), key=lambda k: (loads[k], k), default=None)
+        if low is None:
+            break
+        top_rows = max(map(len, held))
+        open_ranks = [k for k in range(n) if k != src and (not keep_rows or len(held[k]) < top_rows)]
+        best = None  # ((new larger load, migrations, tokens moved, ids), [(rid, kv, from, to), ...])
+        if open_ranks:
+            dst = min(open_ranks, key=lambda k: (loads[k], k))
+            for rid, kv in held[src]:
+                if rid in moved or kv <= 0 or loads[dst] + kv >= loads[src]:
+                    continue
+                key = (max(loads[src] - kv, loads[dst] + kv), 1, kv, rid)
+                if best is None or key < best[0]:
+                    best = (key, [(rid, kv, src, dst)])
+        if max_moves - len(plan) >= 2:  # a swap keeps both ranks' row counts
+            for a, ka in held[src]:
+                if a in moved:
+                    continue
+                for b, kb in held[low]:
+                    d = ka - kb
+                    if b in moved or d <= 0 or loads[low] + d >= loads[src]:
+                        continue
+                    key = (max(loads[src] - d, loads[low] + d), 2, ka + kb, a, b)
+                    if best is None or key < best[0]:
+                        best = (key, [(a, ka, src, low), (b, kb, low, src)])
+        if best is None:
+            break
+        for rid, kv, frm, to in best[1]:
+            held[frm].remove((rid, kv))
+            held[to].append((rid, kv))
+            loads[frm] -= kv
+            loads[to] += kv
+            moved.add(rid)
+            plan.append(Move(rid, frm, to, kv))
+    return plan

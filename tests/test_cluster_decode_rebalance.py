@@ -1,0 +1,115 @@
+"""The decode rebalancer (cluster/decode_rebalance.py): hand-made plans, properties of every plan
+(hypothesis), the pause model, bad input, and the simulator's deepinfer_migrate policy."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer_jax.cluster.decode_rebalance import (KV_BYTES_PER_TOKEN, Move, RebalanceSettings, migration_pause_s,
+                                                    plan_moves)
+from deepinfer_jax.cluster.errors import PolicyInputError
+from deepinfer_jax.cluster.simulate import ClusterShape, simulate
+from deepinfer_jax.cluster.traces import chat_trace
+
+
+def _apply(ranks, plan):
+    loads = [sum(kv for _, kv in r) for r in ranks]
+    rows = [len(r) for r in ranks]
+    for mv in plan:
+        loads[mv.src] -= mv.kv
+        loads[mv.dst] += mv.kv
+        rows[mv.src] -= 1
+        rows[mv.dst] += 1
+    return loads, rows
+
+
+def test_moves_the_request_nearest_half_the_gap():
+    ranks = [[(1, 100.0), (2, 40.0), (3, 10.0)], [(4, 10.0)], [(5, 50.0)]]
+    plan = plan_moves(ranks, max_moves=1, keep_rows=False)
+    # 150 | 10 | 50 -> 110 | 50 | 50 either way (40 or 100 moved): the fewer tokens move
+    assert plan == [Move(2, 0, 1, 40.0)]
+    assert plan_moves(ranks, max_moves=0) == []
+
+
+def test_balanced_or_indivisible_ranks_plan_nothing():
+    assert plan_moves([[(1, 50.0)], [(2, 50.0)]]) == []
+    assert plan_moves([[(1, 100.0)], []]) == []  # moving the one request would not lower the max
+    assert plan_moves([[], []]) == []
+    assert plan_moves([[(1, 104.0)], [(2, 100.0)]], threshold=1.05) == []  # under the threshold
+
+
+def test_cooldown_and_swaps():
+    ranks = [[(1, 60.0), (2, 60.0)], [(3, 10.0)]]
+    assert plan_moves(ranks, keep_rows=False, max_moves=1) == [Move(1, 0, 1, 60.0)]
+    # request 1 moved 0.5 s ago: within the cooldown, so request 2 (same size) goes instead
+    assert plan_moves(ranks, keep_rows=False, max_moves=1, now=10.0, last_moved={1: 9.5}, cooldown_s=1.0)[0].rid == 2
+    assert plan_moves(ranks, keep_rows=False, now=10.0, last_moved={1: 9.5, 2: 9.9}, cooldown_s=1.0) == []
+    # keep_rows: rank 1 would exceed the busiest rank's rows, so a swap (rows unchanged) is planned
+    swap = plan_moves([[(1, 50.0), (2, 30.0), (3, 20.0)], [(4, 5.0), (5, 5.0), (6, 5.0)]], max_moves=2,
+                      keep_rows=True)
+    assert swap == [Move(1, 0, 1, 50.0), Move(4, 1, 0, 5.0)]  # 100 | 15 -> 55 | 60
+    assert plan_moves([[(1, 50.0), (2, 30.0), (3, 20.0)], [(4, 5.0), (5, 5.0), (6, 5.0)]], max_moves=1,
+                      keep_rows=True) == []  # a swap needs two moves of the budget
+
+
+ranks_st = st.lists(st.lists(st.floats(0.0, 1e6, allow_nan=False), max_size=8), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranks_st, st.integers(0, 12), st.floats(1.0, 1.5), st.booleans(), st.sets(st.integers(0, 63), max_size=20))
+def test_plan_properties(kvs, max_moves, threshold, keep_rows, recent):
+    rid = iter(range(1000))
+    ranks = [[(next(rid), kv) for kv in r] for r in kvs]
+    last = {r: 9.5 for r in recent}
+    plan = plan_moves(ranks, max_moves, threshold, now=10.0, last_moved=last, cooldown_s=1.0, keep_rows=keep_rows)
+    before = [sum(kv for _, kv in r) for r in ranks]
+    after, rows = _apply(ranks, plan)
+    assert len(plan) <= max_moves
+    assert max(after) <= max(before) + 1e-6 * max(1.0, max(before))  # never raises the largest load
+    ids = [m.rid for m in plan]
+    assert len(ids) == len(set(ids))  # no request twice in a plan
+    assert not set(ids) & recent  # nor one moved within the cooldown
+    if keep_rows:
+        assert max(rows) <= max(len(r) for r in ranks)
+    if plan:
+        assert max(before) * len(before) > threshold * sum(before)
+
+
+def test_pause_model():
+    assert migration_pause_s(0) == pytest.approx(0.02)
+    # 100K tokens of 890 B at 5 GB/s: 17.8 ms of reads after the fixed 20 ms
+    assert migration_pause_s(100_000) == pytest.approx(0.02 + 100_000 * KV_BYTES_PER_TOKEN / 5e9)
+    assert migration_pause_s(100_000, bandwidth_gb_s=1.0, fixed_s=0.0) == pytest.approx(0.089)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: plan_moves([]), "ranks"),
+    (lambda: plan_moves([[(1, -1.0)]]), "ranks[0]"),
+    (lambda: plan_moves([[(1, 1.0)], [(1, 2.0)]]), "ranks[1]"),
+    (lambda: plan_moves([[("a", 1.0)]]), "ranks[0]"),
+    (lambda: plan_moves([[(1, 1.0)]], max_moves=-1), "max_moves"),
+    (lambda: plan_moves([[(1, 1.0)]], threshold=0.5), "threshold"),
+    (lambda: plan_moves([[(1, 1.0)]], cooldown_s=-1.0), "cooldown_s"),
+    (lambda: migration_pause_s(-5), "kv_tokens"),
+    (lambda: migration_pause_s(5, bandwidth_gb_s=0.0), "bandwidth_gb_s"),
+    (lambda: RebalanceSettings(tick_s=0.0), "tick_s"),
+])
+def test_bad_input_names_the_argument(call, field):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert isinstance(e.value, PolicyInputError) and e.value.field == field
+
+
+def test_simulated_migration_improves_decode_balance():
+    chat = chat_trace(120.0, 15.0, seed=3)
+    shape = ClusterShape(8, 2, 1, 8)
+    base = simulate(chat, "deepinfer", shape)
+    moved = simulate(chat, "deepinfer_migrate", shape)
+    assert base.migrations == 0 < moved.migrations
+    assert moved.decode_balance < base.decode_balance
+    assert moved.measured == base.measured  # every request still finishes once
+    assert moved.tpot_ms[1] < 1.1 * base.tpot_ms[1]  # the pauses are paid, and small
+    settled = simulate(chat, "deepinfer_migrate", shape, rebalance=RebalanceSettings(settle=True))
+    assert 0 < settled.migrations < moved.migrations  # fresh requests are left where routing put them
