@@ -107,7 +107,7 @@ def main():
     devices = jax.devices()
     only = sys.argv[1:]
     for name, cp, prefix, length, storage in CASES:
-        if only and name not in only:
+        if only and name not in only or "engine_only" in only:
             continue
         t0 = time.perf_counter()
         cache_cfg = CacheConfig(block_size=BLOCK, num_blocks=BLOCKS_PER_REQ + 2, max_requests=2,
@@ -155,7 +155,41 @@ def main():
                           "cache_entries_differ": diff, "cache_entries": total, "differing_leaves": leaves,
                           "greedy_ref": seq_r, "greedy_cp": seq_c, "seconds": round(time.perf_counter() - t0, 1)}),
               flush=True)
+    if not only or "engine" in only:
+        engine_row(cfg, params)
     print(json.dumps({"check": "done"}), flush=True)
+
+
+ENGINE = {"max_num_seqs": 2, "max_num_batched_tokens": 64, "token_buckets": (64,), "request_buckets": (2,),
+          "block_size": BLOCK, "max_model_len": 512, "chunking": "tokens", "max_logprobs": 1, "use_tqdm": False,
+          "enable_prefix_caching": True}
+
+
+def engine_row(cfg, params):
+    """``LLM(sharding="cpu-cp4", cp_threshold=128)`` against the one-device engine: a 300-token prompt
+    prefills by CP (alone in its step), two short ones as ordinary chunks, then the long prompt again (a
+    prefix hit on the blocks the CP prefill wrote; what is left is short: ordinary chunks)."""
+    from deepinfer_jax import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(11)
+    long = rng.integers(3, cfg.vocab_size, 300).tolist()
+    prompts = [long, rng.integers(3, cfg.vocab_size, 20).tolist(), rng.integers(3, cfg.vocab_size, 9).tolist()]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    outs = {}
+    for name, extra in (("one_device", {}), ("cp4", {"sharding": "cpu-cp4", "cp_threshold": 128})):
+        llm = LLM(config=cfg, params=params, **ENGINE, **extra)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        again = llm.generate([{"prompt_token_ids": long + [7]}], sp)
+        outs[name] = {"ids": [o.outputs[0].token_ids for o in first + again],
+                      "lp": [[t.logprob for t in o.outputs[0].logprobs] for o in first + again],
+                      "cached": again[0].num_cached_tokens,
+                      "cp_steps": getattr(llm.runner, "cp_steps", 0), "runner": type(llm.runner).__name__}
+    a, b = outs["one_device"], outs["cp4"]
+    print(json.dumps({"check": "engine", "ids_equal": a["ids"] == b["ids"], "ids": b["ids"],
+                      "max_logprob_diff": max(abs(x - y) for la, lb in zip(a["lp"], b["lp"]) for x, y in zip(la, lb)),
+                      "cached_ref": a["cached"], "cached_cp": b["cached"], "cp_steps": b["cp_steps"],
+                      "runner": b["runner"], "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
 if __name__ == "__main__":
