@@ -29,13 +29,12 @@ from deepinfer_jax.runner.step_batch import ChunkSpec, build_inputs
 BLOCK, BLOCKS_PER_REQ = 16, 40
 DECODE = 4
 #: (name, cp, prefix tokens run by the ordinary step first, CP chunk length, storage)
-CASES = [
+CASES = [  # the cp4 dequantized cases share one compiled CP program (pieces padded to 64, the chunk to 512)
     ("cp4_301", 4, 0, 301, "dequantized"),
-    ("cp1_301", 1, 0, 301, "dequantized"),
     ("cp4_37_pieces_below_window", 4, 0, 37, "dequantized"),
-    ("cp2_5_below_halo", 2, 0, 5, "dequantized"),
-    ("cp4_after_61_prefix", 4, 61, 203, "dequantized"),
-    ("cp8_517_quantized", 8, 0, 517, "quantized"),
+    ("cp4_5_below_halo", 4, 0, 5, "dequantized"),
+    ("cp4_203_after_61_prefix", 4, 61, 203, "dequantized"),
+    ("cp8_389_quantized_no_engram", 8, 0, 389, "quantized"),  # Engram's hash graph doubles the compile time
 ]
 
 
@@ -73,7 +72,7 @@ def params_for(cfg):
     return params_from_tree(cfg, fill(nnx.to_pure_dict(abstract_params(cfg))))
 
 
-def _round(n, m=64):
+def _round(n, m=512):
     return -(-n // m) * m
 
 
@@ -103,10 +102,17 @@ def cache_diff(a, b, where=None):
 def main():
     cfg = config()
     params = params_for(cfg)
+    models = {True: (cfg, params)}
     step = jax.jit(paged_step, static_argnums=(1, 2), donate_argnums=(3,))
     devices = jax.devices()
     only = sys.argv[1:]
     for name, cp, prefix, length, storage in CASES:
+        engram = "no_engram" not in name
+        if engram not in models:
+            from shard_common import tiny_config
+
+            models[engram] = (tiny_config(), params_for(tiny_config()))
+        cfg, params = models[engram]
         if only and name not in only or "engine_only" in only:
             continue
         t0 = time.perf_counter()
@@ -126,7 +132,7 @@ def main():
         cp_params = jax.device_put(params, repl)
         inp = flat_inputs(cfg, cache_cfg, ids[prefix : prefix + length], prefix, table)
         want, ref = step(params, cfg, cache_cfg, ref, inp)
-        lay = cp_layout(prefix, length, cp, align=cp_align(cfg), tail_rows=tail_rows_for(cfg, cache_cfg), multiple=8)
+        lay = cp_layout(prefix, length, cp, align=cp_align(cfg), tail_rows=tail_rows_for(cfg, cache_cfg), multiple=64)
         lin = cp_inputs(lay)
         shard = NamedSharding(mesh, PartitionSpec("cp"))
         lin = lin._replace(**{k: jax.device_put(getattr(lin, k), shard) for k in ("positions", "valid", "flat", "tail_at")})
@@ -138,13 +144,13 @@ def main():
         want, got = np.asarray(want), np.asarray(got)
         leaves = []
         diff, total = cache_diff(ref, cp_cache, leaves)
-        # greedy continuation from each cache with the ordinary one-device step
+        # greedy continuation from each cache with the ordinary one-device step (the prefill's program: no compile)
         cont = jax.device_put(jax.tree.map(np.asarray, cp_cache), devices[0])
         seq_r, seq_c = [int(want[0].argmax())], [int(got[0].argmax())]
         pos = prefix + length
         for _ in range(DECODE - 1):
-            lr, ref = step(params, cfg, cache_cfg, ref, flat_inputs(cfg, cache_cfg, [seq_r[-1]], pos, table, 8))
-            lc, cont = step(params, cfg, cache_cfg, cont, flat_inputs(cfg, cache_cfg, [seq_c[-1]], pos, table, 8))
+            lr, ref = step(params, cfg, cache_cfg, ref, flat_inputs(cfg, cache_cfg, [seq_r[-1]], pos, table))
+            lc, cont = step(params, cfg, cache_cfg, cont, flat_inputs(cfg, cache_cfg, [seq_c[-1]], pos, table))
             seq_r.append(int(np.asarray(lr)[0].argmax()))
             seq_c.append(int(np.asarray(lc)[0].argmax()))
             pos += 1
@@ -156,7 +162,7 @@ def main():
                           "greedy_ref": seq_r, "greedy_cp": seq_c, "seconds": round(time.perf_counter() - t0, 1)}),
               flush=True)
     if not only or "engine" in only:
-        engine_row(cfg, params)
+        engine_row(*models[True])
     print(json.dumps({"check": "done"}), flush=True)
 
 
