@@ -86,3 +86,27 @@ def test_cp_settings_refuse_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="cp_threshold"):
         EngineConfig(cp_threshold=-5)
     assert EngineConfig(cp_threshold=0).cp_threshold == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_scheduler_runs_long_prompts_alone_as_one_cp_chunk(async_scheduling):
+    """The scheduler's CP turn against the known fake model of tests/test_scheduler.py: prompts of at least
+    ``cp_threshold`` tokens prefill whole, alone in their step; shorter ones chunk as before; outputs unchanged."""
+    from deepinfer_jax.engine import EngineCore, SamplingParams, Scheduler
+    from tests.test_scheduler import EOS, FakeRunner, reference, run_all
+
+    sched = Scheduler(num_blocks=128, block_size=4, max_blocks_per_request=64, max_num_seqs=4, max_model_len=256,
+                      max_num_batched_tokens=16, chunking="tokens", cp_threshold=40)
+    runner = FakeRunner(4)
+    engine = EngineCore(runner, sched, tokenizer=None, eos_token_id=EOS, async_scheduling=async_scheduling)
+    rng = np.random.default_rng(3)
+    lengths = [12, 90, 5, 41, 30, 120, 7]
+    prompts = [rng.integers(3, 1000, n).tolist() for n in lengths]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
+    outs = run_all(engine, prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == reference(p, 6, eos=False)
+    cp_steps = [s for s in runner.steps if any(c.context_parallel for c in s)]
+    assert all(len(s) == 1 and s[0].ctx_len == 0 for s in cp_steps)
+    assert sorted(len(s[0].token_ids) for s in cp_steps) == [41, 90, 120]  # no prefix cache: whole prompts
+    assert all(len(c.token_ids) <= 16 for s in runner.steps for c in s if not c.context_parallel)

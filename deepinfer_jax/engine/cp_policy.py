@@ -5,7 +5,8 @@ still has at least ``cp_threshold`` tokens to compute takes a *CP turn*: that st
 remaining prompt, as one ``context_parallel`` chunk (the running requests skip that one step), which the
 runner splits by position over the ``cp`` ranks. Everything else is scheduled as ordinary chunks.
 
-A CP turn is taken only when the request can be admitted at once (a free slot, nothing of it still on the
+A request that wants a CP turn is not admitted as ordinary chunks behind other requests of a step (FCFS:
+the queue waits for its turn). A CP turn is taken only when the request can be admitted at once (a free slot, nothing of it still on the
 device, free blocks for the whole prompt), so a turn is never spent on an empty step. The CP chunk ends at
 the request's first prefix-cache snapshot point (``cp_chunk_len``); after the prefix-cache lookup it stays an
 ordinary chunk when it would fall below the threshold, or when the request needs bounded replay (an
@@ -14,17 +15,20 @@ approximate window) or decoder replay: CP runs plain prefills only.
 
 from __future__ import annotations
 
-__all__ = ["cp_chunk_len", "cp_turn_for"]
+__all__ = ["cp_chunk_len", "cp_turn_for", "wants_cp"]
+
+
+def wants_cp(sched, r) -> bool:
+    """Whether waiting request ``r`` waits for a CP turn (it is not admitted as ordinary chunks behind others)."""
+    return bool(sched.cp_threshold) and sched.decoder_keep is None and r.num_tokens - r.num_computed >= sched.cp_threshold
 
 
 def cp_turn_for(sched) -> bool:
     """Whether this step is a CP turn for the head of ``sched.waiting``."""
-    if not sched.cp_threshold or not sched.waiting or not sched.free_slots or sched.decoder_keep is not None:
+    if not sched.waiting or not sched.free_slots or not wants_cp(sched, sched.waiting[0]):
         return False
     r = sched.waiting[0]
-    if r.inflight or r.num_tokens - r.num_computed < sched.cp_threshold:
-        return False
-    return sched.pool.free_count * sched.block_size >= r.num_tokens
+    return not r.inflight and sched.pool.free_count * sched.block_size >= r.num_tokens
 
 
 def cp_chunk_len(sched, r) -> int:

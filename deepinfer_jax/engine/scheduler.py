@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from deepinfer_jax.cache import BlockPool, OutOfBlocks, RequestBlocks
 from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
 from deepinfer_jax.engine.cost_model import CostModel
-from deepinfer_jax.engine.cp_policy import cp_chunk_len, cp_turn_for
+from deepinfer_jax.engine.cp_policy import cp_chunk_len, cp_turn_for, wants_cp
 from deepinfer_jax.engine.prefix_cache import PrefixCache
 from deepinfer_jax.engine.request import Request, Status
 
@@ -191,6 +191,8 @@ class Scheduler:
         while self.waiting and self.free_slots and tokens_left > 0:
             r = self.waiting[0]
             if r.inflight:  # preempted with a token still on the device: admit it after the result
+                break
+            if not cp_turn and wants_cp(self, r):  # a long prompt waits for its own CP step
                 break
             blocks = RequestBlocks(self.pool, self.max_blocks_per_request, self.block_size)
             hit, cached, uploads = self._match(r)  # also sets the prefill snapshot points, which cut chunks
