@@ -57,7 +57,8 @@ def hlo_all_gather_bytes(text: str, shapes: list | None = None, f16_bytes: int =
         if shapes is not None:
             shapes.append(lhs.strip().split(" ")[0])
         for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", lhs):
-            total += (f16_bytes if dt == "f16" else _DT.get(dt, 4)) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            total += (f16_bytes if dt == "f16" else _DT.get(dt, 4)) * size
     return count, total
 
 
@@ -95,7 +96,8 @@ def run(lengths, cps, window: int, repeats: int):
                 fn = jax.jit(functools.partial(cp_prefill, mesh=mesh, comm_log=log), static_argnums=(1, 2),
                              donate_argnums=(3,))
                 p_rep, i_rep = jax.device_put(params, repl), jax.device_put(inp, repl)
-                args = lambda: (p_rep, cfg, cache_cfg, jax.device_put(init_cache(cfg, cache_cfg), repl), i_rep, lin)  # noqa: E731,B023
+                args = lambda: (p_rep, cfg, cache_cfg,  # noqa: E731,B023
+                                jax.device_put(init_cache(cfg, cache_cfg), repl), i_rep, lin)
                 kwargs = {}
             t0 = time.perf_counter()
             compiled = fn.lower(*args(), **kwargs).compile()

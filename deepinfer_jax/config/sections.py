@@ -159,8 +159,8 @@ class ParallelConfig:
     cp_threshold: int | None = None
 
     def __post_init__(self) -> None:
-        if self.cp_threshold is not None and (not isinstance(self.cp_threshold, int) or isinstance(self.cp_threshold, bool)
-                                              or self.cp_threshold < 0):
+        t = self.cp_threshold
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise ValueError(f"cp_threshold must be an int >= 0 (0 = never) or None, got {self.cp_threshold!r}")
         if self.sharding is not None and not isinstance(self.sharding, (str, os.PathLike, ShardingPreset)):
             raise ValueError(f"sharding must be a preset name, a .toml path, a ShardingPreset or None, "

@@ -6,11 +6,11 @@ remaining prompt, as one ``context_parallel`` chunk (the running requests skip t
 runner splits by position over the ``cp`` ranks. Everything else is scheduled as ordinary chunks.
 
 A request that wants a CP turn is not admitted as ordinary chunks behind other requests of a step (FCFS:
-the queue waits for its turn). A CP turn is taken only when the request can be admitted at once (a free slot, nothing of it still on the
-device, free blocks for the whole prompt), so a turn is never spent on an empty step. The CP chunk ends at
-the request's first prefix-cache snapshot point (``cp_chunk_len``); after the prefix-cache lookup it stays an
-ordinary chunk when it would fall below the threshold, or when the request needs bounded replay (an
-approximate window) or decoder replay: CP runs plain prefills only.
+the queue waits for its turn). A CP turn is taken only when the request can be admitted at once (a free
+slot, nothing of it still on the device, free blocks for the whole prompt), so a turn is never spent on an
+empty step. The CP chunk ends at the request's first prefix-cache snapshot point (``cp_chunk_len``); after
+the prefix-cache lookup it stays an ordinary chunk when it would fall below the threshold, or when the
+request needs bounded replay (an approximate window) or decoder replay: CP runs plain prefills only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ __all__ = ["cp_chunk_len", "cp_turn_for", "wants_cp"]
 
 def wants_cp(sched, r) -> bool:
     """Whether waiting request ``r`` waits for a CP turn (it is not admitted as ordinary chunks behind others)."""
-    return bool(sched.cp_threshold) and sched.decoder_keep is None and r.num_tokens - r.num_computed >= sched.cp_threshold
+    t = sched.cp_threshold
+    return bool(t) and sched.decoder_keep is None and r.num_tokens - r.num_computed >= t
 
 
 def cp_turn_for(sched) -> bool:

@@ -40,7 +40,8 @@ class CPRunner(ModelRunner):
         if not preset.context_parallel:
             raise ValueError(f"CPRunner needs a preset with cp_size > 1, got {preset.name!r}")
         if dict(mesh.shape) != {"cp": preset.cp_size}:
-            raise ValueError(f"CPRunner needs a mesh with one axis 'cp' of size {preset.cp_size}, got {dict(mesh.shape)}")
+            raise ValueError(f"CPRunner needs a mesh with one axis 'cp' of size {preset.cp_size}, "
+                             f"got {dict(mesh.shape)}")
         with jax.default_device(mesh.devices.flat[0]):
             super().__init__(cfg, params, cache_cfg, buckets, num_top_logprobs, decoder_replay)
         self.cp_mesh, self.cp_preset, self.cp_size = mesh, preset, preset.cp_size

@@ -135,7 +135,8 @@ def main():
         lay = cp_layout(prefix, length, cp, align=cp_align(cfg), tail_rows=tail_rows_for(cfg, cache_cfg), multiple=64)
         lin = cp_inputs(lay)
         shard = NamedSharding(mesh, PartitionSpec("cp"))
-        lin = lin._replace(**{k: jax.device_put(getattr(lin, k), shard) for k in ("positions", "valid", "flat", "tail_at")})
+        lin = lin._replace(**{k: jax.device_put(getattr(lin, k), shard)
+                              for k in ("positions", "valid", "flat", "tail_at")})
         log = []
         run = jax.jit(cp_prefill, static_argnums=(1, 2), static_argnames=("mesh", "axis", "comm_log"),
                       donate_argnums=(3,))
