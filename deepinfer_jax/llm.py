@@ -213,6 +213,11 @@ class LLM:
         elif self.sharding_preset is None:
             self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
                                       decoder_replay=ec.decoder_replay)
+        elif self.sharding_preset.context_parallel:  # one cache; long prompts prefill over the cp ranks
+            from deepinfer_jax.runner.cp_runner import CPRunner
+
+            self.runner = CPRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
+                                   decoder_replay=ec.decoder_replay, mesh=self.mesh, preset=self.sharding_preset)
         else:  # one cache per DP rank (cache_cfg is one rank's), one step for all ranks
             self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
                                       decoder_replay=ec.decoder_replay, mesh=self.mesh, preset=self.sharding_preset)
@@ -231,10 +236,11 @@ class LLM:
             ring_rows=cache_cfg.ring_capacity(cfg), swa_snapshot_entries=ec.swa_snapshot_entries,
             encoder_replay=ec.encoder_replay, replay_tokens=ec.replay_tokens or cfg.sliding_window,
             host_store=host_store, file_store=file_store,
-            decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None, spec_tokens=k)
+            decoder_keep=yoco_keep_tokens(ec.yoco_keep_tokens) if ec.decoder_replay else None, spec_tokens=k,
+            cp_threshold=self._cp_threshold(ec))
         structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
                                        overlap=ec.structured_output_overlap)
-        if self.sharding_preset is not None:  # one scheduling domain per DP rank
+        if self.sharding_preset is not None and not self.sharding_preset.context_parallel:  # a domain per DP rank
             self.engine = DPEngineCore(self.runner, [make_scheduler() for _ in range(self.sharding_preset.dp_size)],
                                        tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
                                        async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
@@ -245,6 +251,15 @@ class LLM:
                                      eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
                                      max_logprobs=ec.max_logprobs, structured=structured, spec=spec)
         self.ready_s = time.perf_counter() - t_start
+
+    def _cp_threshold(self, ec: EngineConfig) -> int:
+        """Prompt tokens from which a request prefills by context parallelism (0 = never; no cp preset: 0)."""
+        preset = self.sharding_preset
+        if preset is None or not preset.context_parallel:
+            return 0
+        if ec.cp_threshold is not None:
+            return ec.cp_threshold
+        return preset.cp_threshold or 2 * ec.max_num_batched_tokens
 
     @staticmethod
     def _speculation(ec: EngineConfig, drafter) -> str:

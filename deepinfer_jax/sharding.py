@@ -123,6 +123,7 @@ def make_mesh(preset: str | ShardingPreset, devices: Sequence[jax.Device] | None
     preset = resolve_preset(preset)
     devices = list(jax.devices() if devices is None else devices)
     n = preset.num_devices
+    preset.check_devices(len(devices))
     if n > len(devices):
         raise ShardingError("mesh.shape", f"preset {preset.name!r} needs {n} devices "
                             f"({' x '.join(map(str, preset.shape))}), only {len(devices)} available")

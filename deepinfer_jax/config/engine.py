@@ -72,7 +72,7 @@ class EngineConfig:
     num_blocks, max_blocks_per_request, kv_storage, enable_prefix_caching, cache_salt,
     swa_snapshot_entries, encoder_replay, replay_tokens, decoder_replay, yoco_keep_tokens,
     host_store_bytes, block_store, block_store_fallback), ``spec`` (``SpeculationConfig``: speculation,
-    num_speculative_tokens, draft_vocab_size), ``parallel`` (``ParallelConfig``: sharding). Its own:
+    num_speculative_tokens, draft_vocab_size), ``parallel`` (``ParallelConfig``: sharding, cp_threshold). Its own:
     seed, max_logprobs, default_thinking_mode, precompile, compilation_cache.
 
     Settings:
@@ -132,7 +132,12 @@ class EngineConfig:
             rank's chunks fit it, with one shared cost model). Prefix caching runs per rank (each
             rank's block pool; the host and file tiers and the window store are shared, so a prefix
             computed on one rank hits on another) and ``decoder_replay`` on every rank; refuses
-            speculation (not supported with DP yet).
+            speculation (not supported with DP yet). A preset with a ``cp`` axis (``cpu-cp4``,
+            ``prefill-cp8``) runs one scheduling domain and prefills long prompts by context parallelism.
+        cp_threshold: with a context-parallel preset, a prompt with at least this many tokens still to
+            compute prefills alone, as one chunk split by position over the ``cp`` ranks
+            (docs/context_parallel.md); shorter ones run as ordinary chunks. None = the preset's
+            ``[parallel] cp_threshold``, or ``2 * max_num_batched_tokens`` when that is 0; 0 = never.
         speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
             "auto" (the default: "dspark" when the checkpoint has a drafter and the engine is not
             sharded, else "none"), "none", "fixed" or "dspark". Lossless: greedy outputs are those of

@@ -152,12 +152,16 @@ class SpeculationConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Fields (``EngineConfig`` documents it): sharding (a preset name, a ``.toml`` path, a
-    ``ShardingPreset``, or None for one device)."""
+    """Fields (``EngineConfig`` documents them): sharding (a preset name, a ``.toml`` path, a
+    ``ShardingPreset``, or None for one device), cp_threshold (context-parallel prefill above it)."""
 
     sharding: Any = None
+    cp_threshold: int | None = None
 
     def __post_init__(self) -> None:
+        t = self.cp_threshold
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ValueError(f"cp_threshold must be an int >= 0 (0 = never) or None, got {self.cp_threshold!r}")
         if self.sharding is not None and not isinstance(self.sharding, (str, os.PathLike, ShardingPreset)):
             raise ValueError(f"sharding must be a preset name, a .toml path, a ShardingPreset or None, "
                              f"got {self.sharding!r}")

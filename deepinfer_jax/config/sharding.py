@@ -35,8 +35,9 @@ __all__ = ["MESH_AXES", "PRESET_DIR", "RULES", "ShardingError", "ShardingPreset"
 
 #: Where the shipped presets live: ``sharding/`` (the wheel's copy, else the checkout's).
 PRESET_DIR = shipped("sharding")
-#: The mesh axis names a preset may use: attention data parallel, expert parallel, tensor parallel.
-MESH_AXES = ("dp", "ep", "tp")
+#: The mesh axis names a preset may use: attention data parallel, expert parallel, tensor parallel, context
+#: parallel (a long prompt's chunk split by position over ``cp``; docs/context_parallel.md).
+MESH_AXES = ("dp", "ep", "tp", "cp")
 
 #: The rules table: logical axis -> mesh axes (an empty tuple = replicated). Presets may override entries.
 RULES: Mapping[str, tuple[str, ...]] = {
@@ -73,6 +74,10 @@ class ShardingPreset:
     expert-parallel degrees, checked against the product of the mesh axes that ``batch`` and
     ``experts`` map to. rules: the full rules table (``RULES`` with the preset's overrides) as
     sorted ``(logical, mesh axes)`` pairs. eplb: ``EplbSettings``. description: free text.
+    cp_size: context-parallel ranks (the ``cp`` mesh axis; ``[parallel] cp_size``, default 1); a CP preset
+    runs nothing else in parallel (dp, ep and tp sizes 1). cp_threshold: prompts of at least this many
+    tokens (still to compute) prefill as one CP chunk (``[parallel] cp_threshold``; 0 = the engine setting
+    ``cp_threshold`` decides, whose default is then 2 * max_num_batched_tokens).
     """
 
     name: str
@@ -83,6 +88,8 @@ class ShardingPreset:
     rules: tuple[tuple[str, tuple[str, ...]], ...] = tuple(sorted(RULES.items()))
     eplb: EplbSettings = EplbSettings()
     description: str = ""
+    cp_size: int = 1
+    cp_threshold: int = 0
 
     def __post_init__(self) -> None:
         str_field("name", self.name)
@@ -110,6 +117,21 @@ class ShardingPreset:
             if value != implied:
                 raise ShardingError(f"parallel.{field}", f"is {value} but the rules map {logical!r} to mesh axes "
                                     f"{list(self.mesh_axes(logical))} of total size {implied}")
+        self._check_cp()
+
+    def _check_cp(self) -> None:
+        """``cp_size`` equals the ``cp`` axis; CP is not combined with another split on one mesh (yet)."""
+        cp = int_field("parallel.cp_size", self.cp_size, 1)
+        object.__setattr__(self, "cp_size", cp)
+        object.__setattr__(self, "cp_threshold", int_field("parallel.cp_threshold", self.cp_threshold, 0))
+        axis = self.axis_size("cp") if "cp" in self.axes else 1
+        if cp != axis:
+            raise ShardingError("parallel.cp_size", f"is {cp} but the mesh's cp axis has size {axis}")
+        if cp > 1:
+            others = {a: n for a, n in zip(self.axes, self.shape) if a != "cp" and n > 1}
+            if others:
+                raise ShardingError("parallel.cp_size", f"context parallelism ({cp}) cannot share a mesh with other "
+                                    f"parallel axes yet, got {others}; use a preset with only the cp axis")
 
     # ---- queries ----
 
@@ -145,6 +167,16 @@ class ShardingPreset:
         """Physical expert slots per EP rank: logical experts / EP + the redundant slots."""
         self.validate_for(cfg)
         return cfg.n_routed_experts // self.ep_size + self.eplb.redundant_slots_per_rank
+
+    @property
+    def context_parallel(self) -> bool:
+        """Whether long prompts prefill over the ``cp`` axis (``cp_size > 1``)."""
+        return self.cp_size > 1
+
+    def check_devices(self, available: int) -> None:
+        """ShardingError ``parallel.cp_size`` unless the cp ranks divide the devices there are."""
+        if self.cp_size > 1 and available % self.cp_size:
+            raise ShardingError("parallel.cp_size", f"{self.cp_size} does not divide the {available} devices")
 
     @property
     def engine_expert_parallel(self) -> bool:
@@ -195,7 +227,7 @@ class ShardingPreset:
             if key not in mesh:
                 raise ShardingError(f"mesh.{key}", "is required")
         par = table_field("parallel", raw.get("parallel", {}))
-        no_extra("parallel", par, ("dp_size", "ep_size"))
+        no_extra("parallel", par, ("dp_size", "ep_size", "cp_size", "cp_threshold"))
         for key in ("dp_size", "ep_size"):
             if key not in par:
                 raise ShardingError(f"parallel.{key}", "is required")
@@ -217,7 +249,8 @@ class ShardingPreset:
         return cls(name=str_field("name", raw.get("name", name or "custom")), axes=tuple(mesh["axes"]),
                    shape=tuple(mesh["shape"]) if isinstance(mesh["shape"], (list, tuple)) else mesh["shape"],
                    dp_size=par["dp_size"], ep_size=par["ep_size"], rules=tuple(sorted(rules.items())),
-                   eplb=EplbSettings(**eplb), description=str_field("description", raw.get("description", "")))
+                   eplb=EplbSettings(**eplb), description=str_field("description", raw.get("description", "")),
+                   cp_size=par.get("cp_size", 1), cp_threshold=par.get("cp_threshold", 0))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> ShardingPreset:

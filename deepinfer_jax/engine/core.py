@@ -431,7 +431,8 @@ class EngineCore:
                              prompt_len=len(r.prompt_ids), **common)
         ids = [0] if c.feed_last else r.known_tokens(c.start, c.start + c.num_tokens)
         extra = {} if self.spec is None else dict(prompt_len=len(r.prompt_ids), ctx_from=r.ctx_from)
-        return ChunkSpec(ctx_len=c.start, token_ids=ids, feed_last=c.feed_last, **common, **extra)
+        return ChunkSpec(ctx_len=c.start, token_ids=ids, feed_last=c.feed_last, context_parallel=c.context_parallel,
+                         **common, **extra)
 
     def _masks_beside_reconcile(self, prev: _InFlight | None, submit) -> tuple[object, list[RequestOutput]]:
         """Token masks computed on the worker while the device runs the model step.

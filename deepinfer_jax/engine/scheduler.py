@@ -23,11 +23,13 @@ computed include those of launched steps, so scheduling never waits for results.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 
 from deepinfer_jax.cache import BlockPool, OutOfBlocks, RequestBlocks
 from deepinfer_jax.cache.swa_snapshots import SwaSnapshotStore
 from deepinfer_jax.engine.cost_model import CostModel
+from deepinfer_jax.engine.cp_policy import cp_chunk_len, cp_turn_for, wants_cp
 from deepinfer_jax.engine.prefix_cache import PrefixCache
 from deepinfer_jax.engine.request import Request, Status
 
@@ -49,6 +51,7 @@ class ScheduledChunk:
     sample: bool
     feed_last: bool
     verify: bool = False
+    context_parallel: bool = False  # a long prompt's whole prefill, alone in its step (docs/context_parallel.md)
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Scheduler:
                  cost_model: CostModel | None = None, step_budget_ns: int | None = None,
                  prefix_extra: bytes | None = None, ring_rows: int = 0, swa_snapshot_entries: int = 256,
                  encoder_replay: bool = False, replay_tokens: int = 0, host_store=None, file_store=None,
-                 decoder_keep: int | None = None, spec_tokens: int = 0) -> None:
+                 decoder_keep: int | None = None, spec_tokens: int = 0, cp_threshold: int = 0) -> None:
         if chunking == "cost" and (cost_model is None or step_budget_ns is None):
             raise ValueError("chunking='cost' needs a cost_model and step_budget_ns")
         self.pool = BlockPool(num_blocks)
@@ -90,6 +93,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.decoder_keep = decoder_keep  # decoder bounded replay: prompt tokens that run the decoder
         self.spec_tokens = spec_tokens  # speculative decoding: most drafts a verify row may take (0 = off)
+        self.cp_threshold = cp_threshold  # context parallelism: prompts this long prefill alone, whole (0 = off)
         #: None = no prefix caching; else the digest/hit bookkeeping (``prefix_extra`` = model + salt keys)
         self.prefix = None if prefix_extra is None else PrefixCache(
             self.pool, block_size, ring_rows, prefix_extra, SwaSnapshotStore(swa_snapshot_entries),
@@ -163,8 +167,9 @@ class Scheduler:
             # (the device runs later steps after the one still writing them)
             self.running.remove(r)
             self._release(r)
+        cp_turn = cp_turn_for(self)  # a long prompt's CP prefill runs alone: running requests wait one step
         i = 0
-        while i < len(self.running):
+        while not cp_turn and i < len(self.running):
             r = self.running[i]
             want = self._wants(r)
             q = chunk_size(r, want) if want else 0
@@ -187,6 +192,8 @@ class Scheduler:
             r = self.waiting[0]
             if r.inflight:  # preempted with a token still on the device: admit it after the result
                 break
+            if not cp_turn and wants_cp(self, r):  # a long prompt waits for its own CP step
+                break
             blocks = RequestBlocks(self.pool, self.max_blocks_per_request, self.block_size)
             hit, cached, uploads = self._match(r)  # also sets the prefill snapshot points, which cut chunks
             if hit:
@@ -196,7 +203,8 @@ class Scheduler:
                 if r.approximate:  # bounded replay of the hit's last tokens rebuilds the window
                     r.num_computed = r.window_floor = max(0, hit - self.prefix.replay_tokens)
                     r.write_from = hit
-            q = chunk_size(r, r.num_tokens - r.num_computed)
+            cp = cp_chunk_len(self, r) if cp_turn else 0
+            q = cp or chunk_size(r, r.num_tokens - r.num_computed)
             if q == 0:
                 blocks.release()
                 r.num_computed = r.registered = r.window_floor = r.write_from = 0
@@ -229,6 +237,10 @@ class Scheduler:
             r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
             self.running.append(r)
             take(r, q)
+            if cp_turn:
+                if cp:
+                    out.chunks[-1] = dataclasses.replace(out.chunks[-1], context_parallel=True)
+                break
         if cost and out.chunks:
             out.predicted_ns = self.cost_model.predict(out.shape())
         if self.prefix is not None:

@@ -48,6 +48,8 @@ class ChunkSpec:
     (deterministic requests). ``limit``: the most tokens the sequence may reach (max_model_len).
     ``prompt_len``: the request's prompt length (verified tokens' output positions). ``ctx_from``: host
     chunks: the first position the request computed since admission (the drafter's context starts there).
+    ``context_parallel``: the chunk is a long prompt's prefill that runs alone in its step, split by position
+    over the ``cp`` mesh axis (``runner.cp_runner``; docs/context_parallel.md).
     """
 
     slot: int
@@ -67,6 +69,7 @@ class ChunkSpec:
     limit: int = 0
     prompt_len: int = 0
     ctx_from: int = 0
+    context_parallel: bool = False
     offsets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
