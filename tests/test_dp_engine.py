@@ -3,8 +3,8 @@ fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the
 CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1; EPLB inside the running engine (item 4): a rebalance
 mid-run changes no output, the step's counts conserve every pair, the weights really move; and the engine
 over two jax.distributed processes of 4 CPU devices each (``tests/sharded/engine_multihost.py``) against one
-device. Prefix caching and decoder bounded replay in DP mode (issue 22): the per-rank copies against a fake
-runner, and greedy outputs on 8 fake devices against the one-device engine with the same setting
+device. Prefix caching, decoder bounded replay and speculative decoding in DP mode (issue 22): the per-rank copies
+against a fake runner, and greedy outputs on 8 fake devices against the one-device engine with the same setting
 (``tests/sharded/dp_prefix_check.py``).
 
 The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
@@ -291,9 +291,10 @@ def test_engine_config_refuses_unsupported_settings_with_sharding():
     both = EngineConfig(**{**ok, "enable_prefix_caching": True, "decoder_replay": True})
     assert both.enable_prefix_caching and both.decoder_replay
     assert EngineConfig(sharding="cpu-dp2-ep4").enable_prefix_caching  # the default now holds with sharding
-    for value in ("dspark", "fixed"):  # speculation does not run with DP yet
-        with pytest.raises(ValueError, match="speculation"):
-            EngineConfig(**{**ok, "speculation": value})
+    for value in ("dspark", "fixed"):  # speculation runs per DP rank (issue 22)
+        assert EngineConfig(**{**ok, "speculation": value}).speculation == value
+    with pytest.raises(ValueError, match="num_speculative_tokens"):  # a bad budget still names its field
+        EngineConfig(**{**ok, "speculation": "fixed", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="sharding"):
         EngineConfig(**{**ok, "sharding": 8})
 
@@ -506,3 +507,21 @@ def test_decoder_replay_equals_one_device(prefix_checks, preset):
     # the prompt within the kept tokens is exact; the longer ones are approximate, as on one device
     assert row["differs_from_exact"] == [False, True, True, True, True], row
     assert not row["recompiled"] and not row["unfinished"], row
+
+
+@pytest.mark.parametrize("preset", PREFIX_PRESETS)
+def test_speculation_equals_one_device_and_counts_per_rank(prefix_checks, preset):
+    row = prefix_checks[f"spec_{preset}"]
+    assert row["speculation"] == "dspark" and not row["recompiled"] and not row["unfinished"], row
+    # lossless: the one-device speculative engine's tokens, plain greedy decoding's, through both loops
+    assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == 7 * 12, row
+    assert row["max_logprob_diff"] < 1e-4, row
+    for other in ("vs_plain", "sync_vs_plain"):
+        assert row[other]["ids_equal"] and row[other]["reasons_equal"], row
+    verified, accepted = row["dp_rank_spec_drafts_verified"], row["dp_rank_spec_accepted"]
+    assert len(verified) == len(accepted) == len(row["dp_rank_requests"]), row
+    assert all(0 <= a <= v for a, v in zip(accepted, verified)), row
+    assert sum(verified) == row["spec_drafts_verified"] and sum(accepted) == row["spec_drafts_accepted"], row
+    assert sum(1 for v in verified if v) >= 2 and row["spec_drafts_accepted"] > 0, row  # drafts on several ranks
+    assert row["one_device_verified"] > 0, row
+    assert row["bad_budget"] is not None and "num_speculative_tokens" in row["bad_budget"], row

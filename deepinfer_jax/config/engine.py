@@ -131,8 +131,9 @@ class EngineConfig:
             ``num_blocks`` and ``max_num_batched_tokens`` are per rank (``step_budget_ns`` too: every
             rank's chunks fit it, with one shared cost model). Prefix caching runs per rank (each
             rank's block pool; the host and file tiers and the window store are shared, so a prefix
-            computed on one rank hits on another) and ``decoder_replay`` on every rank; refuses
-            speculation (not supported with DP yet).
+            computed on one rank hits on another) and ``decoder_replay`` on every rank; an explicit
+            ``speculation`` ("fixed", "dspark") runs per rank too (each rank plans its own verification
+            budget), while "auto" stays plain when sharded.
         speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
             "auto" (the default: "dspark" when the checkpoint has a drafter and the engine is not
             sharded, else "none"), "none", "fixed" or "dspark". Lossless: greedy outputs are those of
@@ -187,9 +188,6 @@ class EngineConfig:
         check_bools(self, ("default_thinking_mode",))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if self.parallel.sharded and self.spec.speculation not in ("auto", "none"):  # not with DP yet
-            raise ValueError(f"speculation must be 'auto' or 'none' with sharding (not supported with attention data "
-                             f"parallel yet), got {self.speculation!r}")
 
     # ---- the flat view ----
 
