@@ -280,6 +280,36 @@ def test_dp_core_prefix_cache_copies_target_the_requests_rank_and_hit_across_ran
     assert core.schedulers[0].prefix.stats()["tier_hits"]["device"] == 2
 
 
+def test_spec_plan_ranks_plans_each_rank_alone_and_counts_one_step():
+    from deepinfer_jax.engine.spec_decode import SpecDecoding
+    from deepinfer_jax.engine.spec_policy import AcceptanceStats, DSparkPolicy, StepTimes
+
+    k = 4
+    times = StepTimes((8, 16, 32), (1e6, 1.1e6, 2e6))
+
+    def chunk(verify, seed=None, conf=0.9):
+        req = SimpleNamespace(matcher=None, params=SamplingParams(temperature=0, seed=seed), has_drafts=True,
+                              next_conf=np.full(k, conf))
+        return SimpleNamespace(verify=verify, request=req, num_tokens=1 + k if verify else 6, sample=True)
+
+    def planner():
+        return SpecDecoding(DSparkPolicy(k, times, 2, AcceptanceStats(k)), k, times, AcceptanceStats(k))
+
+    ranks = [[chunk(True), chunk(False), chunk(True, seed=3)], [], [chunk(True, conf=0.1)]]
+    spec = planner()
+    budgets, caps, planned, drafts = spec.plan_ranks(ranks)
+    alone = [planner().plan(cs) if cs else None for cs in ranks]  # each rank's plan as if it ran by itself
+    for d, cs in enumerate(ranks):
+        if not cs:
+            assert budgets[d] == 0 and caps[d] == {} and not drafts[d]
+            continue
+        assert budgets[d] == alone[d][0].budget and caps[d] == alone[d][1] and drafts[d] == alone[d][3]
+    assert caps[0][2] == (2, True)  # the seeded row's forced count, keyed by its index within rank 0
+    assert set(planned.survival) == {0, 2, 3}  # verify rows keyed by their index in the ranks' lists concatenated
+    assert planned.tokens == max(p[2].tokens for p in alone if p is not None) and planned.draft == any(drafts)
+    assert spec.stats.steps == 1 and spec.stats.budgets == [sum(budgets)]
+
+
 # ---- settings (no devices needed) -------------------------------------------------------------------
 
 
