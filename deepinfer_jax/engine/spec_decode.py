@@ -108,7 +108,8 @@ class SpecDecoding:
         self.stats.steps_drafting += draft
         self.stats.steps += 1
 
-    def _plan_one(self, chunks: Sequence, fresh: bool) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
+    def _plan_one(self, chunks: Sequence,
+                  fresh: bool) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
         """``plan`` without the step counters."""
         idx = [i for i, c in enumerate(chunks) if c.verify]
         rows, could = [], []
