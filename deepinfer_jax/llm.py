@@ -150,6 +150,9 @@ class LLM:
             sh.init_distributed()  # several processes: from DEEPINFER_COORDINATOR etc.; a no-op when unset
             self.sharding_preset = sh.resolve_preset(ec.sharding)
             self.sharding_preset.validate_engine()  # the EP MoE's layout (eplb.enabled)
+            if self.sharding_preset.context_parallel and ec.speculation in ("fixed", "dspark"):
+                raise ValueError(f"speculation={ec.speculation!r} is not supported with a context-parallel preset "
+                                 f"({self.sharding_preset.name!r}); set speculation='none' (docs/context_parallel.md)")
             self.mesh = sh.make_mesh(self.sharding_preset)
             if ec.chunking == "cost" and jax.process_count() > 1:  # timed decisions would differ between processes
                 raise ValueError("chunking: 'cost' chunking is not supported over several processes; use 'tokens'")
@@ -184,6 +187,9 @@ class LLM:
         cache_cfg = CacheConfig(block_size=bs, num_blocks=ec.num_blocks or ec.max_num_seqs * mbpr,
                                 max_requests=ec.max_num_seqs, max_blocks_per_request=mbpr, storage=ec.kv_storage)
         k = cfg.dspark_block_size if self.speculation != "none" else 0
+        if k and ec.num_speculative_tokens is not None and ec.num_speculative_tokens > k:
+            raise ValueError(f"num_speculative_tokens must be at most the drafter's block size {k}, "
+                             f"got {ec.num_speculative_tokens}")
         if k and cache_cfg.spec_slack < k:
             raise ValueError(f"speculation needs the cache's spec_slack ({cache_cfg.spec_slack}) >= dspark_block_size {k}")
         if ec.block_buckets and ec.block_buckets[-1] != mbpr:
@@ -209,7 +215,8 @@ class LLM:
 
             vocab = load_draft_vocab(ckpt, cfg.vocab_size, ec.draft_vocab_size)
             self.runner = SpecRunner(cfg, params, drafter, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                     decoder_replay=ec.decoder_replay, draft_vocab=vocab)
+                                     decoder_replay=ec.decoder_replay, draft_vocab=vocab, mesh=self.mesh,
+                                     preset=self.sharding_preset)
         elif self.sharding_preset is None:
             self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
                                       decoder_replay=ec.decoder_replay)
@@ -240,13 +247,13 @@ class LLM:
             cp_threshold=self._cp_threshold(ec))
         structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
                                        overlap=ec.structured_output_overlap)
+        spec = self._spec_decoding(k, use_tqdm) if k else None
         if self.sharding_preset is not None and not self.sharding_preset.context_parallel:  # a domain per DP rank
             self.engine = DPEngineCore(self.runner, [make_scheduler() for _ in range(self.sharding_preset.dp_size)],
                                        tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
                                        async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
-                                       structured=structured)
+                                       structured=structured, spec=spec)
         else:
-            spec = self._spec_decoding(k, use_tqdm) if k else None
             self.engine = EngineCore(self.runner, make_scheduler(), tokenizer=self.tokenizer,
                                      eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
                                      max_logprobs=ec.max_logprobs, structured=structured, spec=spec)
@@ -319,8 +326,9 @@ class LLM:
         nb = len(buckets)
         with tqdm(desc="profiling step times", unit="step", disable=not use_tqdm, total=4 * nb) as bar:
             tick = lambda *_: bar.update(1)
+            runner = self.runner if self.sharding_preset is None else self.runner.every_rank()  # a DP step: all ranks
             prof = lambda draft, sp=None: StepTimes(buckets, profile_step_times(
-                self.runner, progress=tick, draft=draft, sample=sp))
+                runner, progress=tick, draft=draft, sample=sp))
             top_p = SampleSpec(temperature=1.0, top_p=0.95)
             tables = [prof(True), prof(False), prof(True, top_p), prof(False, top_p)]
         _atomic_json(path, {"tables": [t.to_json() for t in tables], "source": "profiled"})
@@ -565,9 +573,13 @@ class LLM:
     def _dp_stats(self) -> dict:
         """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding, prefix-cache hits
         (requests admitted with a hit; ``prefix`` sums every rank's counters); with the EP MoE the
-        ``eplb_*`` keys (``DPEngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one)."""
+        ``eplb_*`` keys (``DPEngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one); with
+        speculation the drafts each rank verified and accepted (``dp_rank_spec_drafts_verified`` /
+        ``dp_rank_spec_accepted``, summing to ``spec_drafts_verified`` / ``spec_drafts_accepted``)."""
         e = self.engine
         return {"dp_rank_requests": list(e.rank_requests), "dp_rank_tokens": list(e.rank_tokens),
                 "dp_rank_idle_steps": list(e.rank_idle_steps),
                 "dp_rank_prefix_hits": [0 if s.prefix is None else s.prefix.hits for s in e.schedulers],
+                **({} if e.spec is None else {"dp_rank_spec_drafts_verified": list(e.rank_spec_verified),
+                                              "dp_rank_spec_accepted": list(e.rank_spec_accepted)}),
                 **e.eplb_stats()}

@@ -86,6 +86,10 @@ def test_cp_settings_refuse_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="cp_threshold"):
         EngineConfig(cp_threshold=-5)
     assert EngineConfig(cp_threshold=0).cp_threshold == 0
+    from deepinfer_jax import LLM
+
+    with pytest.raises(ValueError, match="speculation='fixed' is not supported with a context-parallel preset"):
+        LLM("tiny", sharding="cpu-cp4", speculation="fixed", use_tqdm=False)  # refused before any device is needed
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -3,8 +3,8 @@ fake runner, the settings it refuses, and ``LLM(..., sharding=...)`` against the
 CPU devices for dp x ep = 2 x 4, 1 x 8 and 8 x 1; EPLB inside the running engine (item 4): a rebalance
 mid-run changes no output, the step's counts conserve every pair, the weights really move; and the engine
 over two jax.distributed processes of 4 CPU devices each (``tests/sharded/engine_multihost.py``) against one
-device. Prefix caching and decoder bounded replay in DP mode (issue 22): the per-rank copies against a fake
-runner, and greedy outputs on 8 fake devices against the one-device engine with the same setting
+device. Prefix caching, decoder bounded replay and speculative decoding in DP mode (issue 22): the per-rank copies
+against a fake runner, and greedy outputs on 8 fake devices against the one-device engine with the same setting
 (``tests/sharded/dp_prefix_check.py``).
 
 The 8-device checks run in a subprocess (``tests/sharded/dp_engine_check.py``): the fake-device count must
@@ -280,6 +280,36 @@ def test_dp_core_prefix_cache_copies_target_the_requests_rank_and_hit_across_ran
     assert core.schedulers[0].prefix.stats()["tier_hits"]["device"] == 2
 
 
+def test_spec_plan_ranks_plans_each_rank_alone_and_counts_one_step():
+    from deepinfer_jax.engine.spec_decode import SpecDecoding
+    from deepinfer_jax.engine.spec_policy import AcceptanceStats, DSparkPolicy, StepTimes
+
+    k = 4
+    times = StepTimes((8, 16, 32), (1e6, 1.1e6, 2e6))
+
+    def chunk(verify, seed=None, conf=0.9):
+        req = SimpleNamespace(matcher=None, params=SamplingParams(temperature=0, seed=seed), has_drafts=True,
+                              next_conf=np.full(k, conf))
+        return SimpleNamespace(verify=verify, request=req, num_tokens=1 + k if verify else 6, sample=True)
+
+    def planner():
+        return SpecDecoding(DSparkPolicy(k, times, 2, AcceptanceStats(k)), k, times, AcceptanceStats(k))
+
+    ranks = [[chunk(True), chunk(False), chunk(True, seed=3)], [], [chunk(True, conf=0.1)]]
+    spec = planner()
+    budgets, caps, planned, drafts = spec.plan_ranks(ranks)
+    alone = [planner().plan(cs) if cs else None for cs in ranks]  # each rank's plan as if it ran by itself
+    for d, cs in enumerate(ranks):
+        if not cs:
+            assert budgets[d] == 0 and caps[d] == {} and not drafts[d]
+            continue
+        assert budgets[d] == alone[d][0].budget and caps[d] == alone[d][1] and drafts[d] == alone[d][3]
+    assert caps[0][2] == (2, True)  # the seeded row's forced count, keyed by its index within rank 0
+    assert set(planned.survival) == {0, 2, 3}  # verify rows keyed by their index in the ranks' lists concatenated
+    assert planned.tokens == max(p[2].tokens for p in alone if p is not None) and planned.draft == any(drafts)
+    assert spec.stats.steps == 1 and spec.stats.budgets == [sum(budgets)]
+
+
 # ---- settings (no devices needed) -------------------------------------------------------------------
 
 
@@ -291,9 +321,10 @@ def test_engine_config_refuses_unsupported_settings_with_sharding():
     both = EngineConfig(**{**ok, "enable_prefix_caching": True, "decoder_replay": True})
     assert both.enable_prefix_caching and both.decoder_replay
     assert EngineConfig(sharding="cpu-dp2-ep4").enable_prefix_caching  # the default now holds with sharding
-    for value in ("dspark", "fixed"):  # speculation does not run with DP yet
-        with pytest.raises(ValueError, match="speculation"):
-            EngineConfig(**{**ok, "speculation": value})
+    for value in ("dspark", "fixed"):  # speculation runs per DP rank (issue 22)
+        assert EngineConfig(**{**ok, "speculation": value}).speculation == value
+    with pytest.raises(ValueError, match="num_speculative_tokens"):  # a bad budget still names its field
+        EngineConfig(**{**ok, "speculation": "fixed", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="sharding"):
         EngineConfig(**{**ok, "sharding": 8})
 
@@ -506,3 +537,21 @@ def test_decoder_replay_equals_one_device(prefix_checks, preset):
     # the prompt within the kept tokens is exact; the longer ones are approximate, as on one device
     assert row["differs_from_exact"] == [False, True, True, True, True], row
     assert not row["recompiled"] and not row["unfinished"], row
+
+
+@pytest.mark.parametrize("preset", PREFIX_PRESETS)
+def test_speculation_equals_one_device_and_counts_per_rank(prefix_checks, preset):
+    row = prefix_checks[f"spec_{preset}"]
+    assert row["speculation"] == "dspark" and not row["recompiled"] and not row["unfinished"], row
+    # lossless: the one-device speculative engine's tokens, plain greedy decoding's, through both loops
+    assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == 7 * 12, row
+    assert row["max_logprob_diff"] < 1e-4, row
+    for other in ("vs_plain", "sync_vs_plain"):
+        assert row[other]["ids_equal"] and row[other]["reasons_equal"], row
+    verified, accepted = row["dp_rank_spec_drafts_verified"], row["dp_rank_spec_accepted"]
+    assert len(verified) == len(accepted) == len(row["dp_rank_requests"]), row
+    assert all(0 <= a <= v for a, v in zip(accepted, verified)), row
+    assert sum(verified) == row["spec_drafts_verified"] and sum(accepted) == row["spec_drafts_accepted"], row
+    assert sum(1 for v in verified if v) >= 2 and row["spec_drafts_accepted"] > 0, row  # drafts on several ranks
+    assert row["one_device_verified"] > 0, row
+    assert row["bad_budget"] is not None and "num_speculative_tokens" in row["bad_budget"], row

@@ -74,8 +74,10 @@ def test_each_section_validates_its_fields(section, field, value):
 def test_cross_section_rules_and_unknown_names():
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
-    with pytest.raises(ValueError, match="speculation must be 'auto' or 'none' with sharding"):
-        EngineConfig(sharding="cpu-dp2-ep4", speculation="dspark")
+    # speculation runs with DP (issue 22); a bad speculation setting still names its field when sharded
+    assert EngineConfig(sharding="cpu-dp2-ep4", speculation="dspark").spec.speculation == "dspark"
+    with pytest.raises(ValueError, match="^num_speculative_tokens must"):
+        EngineConfig(sharding="cpu-dp2-ep4", speculation="fixed", num_speculative_tokens=-1)
     preset = resolve_preset("cpu-dp2-ep4")
     assert isinstance(preset, ShardingPreset)
     sharded = EngineConfig(sharding=preset, decoder_replay=True)  # prefix caching and decoder replay run with DP

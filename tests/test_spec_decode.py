@@ -346,12 +346,15 @@ def test_prefix_cache_hits_stay_exact_with_speculation(spec_llm, plain_llm):
 def test_bad_speculation_settings_name_the_field(params):
     for bad, field in ((dict(speculation="maybe"), "speculation"), (dict(num_speculative_tokens=0),
                        "num_speculative_tokens"), (dict(draft_vocab_size=0), "draft_vocab_size"),
-                       (dict(sharding="cpu-dp2-ep4", speculation="dspark", chunking="tokens",
-                             enable_prefix_caching=False), "speculation")):
+                       (dict(sharding="cpu-dp2-ep4", speculation="dspark", num_speculative_tokens=0),
+                        "num_speculative_tokens")):  # speculation runs with DP; a bad count still names its field
         with pytest.raises(ValueError, match=field):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="drafter"):
         LLM(config=CFG, params=params, speculation="dspark", **SETTINGS)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):  # past the drafter's block size
+        LLM(config=CFG, params=params, drafter=init_drafter_params(CFG), speculation="fixed",
+            num_speculative_tokens=K + 1, **SETTINGS)
     with pytest.raises(ValueError, match="draft_vocab_size"):  # no draft_vocab.json to take it from
         LLM(config=CFG, params=params, drafter=init_drafter_params(CFG), speculation="dspark", draft_vocab_size=16,
             **SETTINGS)

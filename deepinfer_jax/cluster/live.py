@@ -69,7 +69,8 @@ def dp_role_env(role: str, settings: dict) -> dict:
     """The environment of a role whose engine runs over a device mesh (``sharding`` in its settings, a DP engine;
     one device: ``{}``): this checkout's ``ray_init_options`` environment, with ``XLA_FLAGS`` making the preset's
     device count of host (CPU) devices, which only a CPU run uses. ``PolicyInputError`` for a DP role with
-    speculation (not supported with attention data parallel), naming ``<role>_settings.speculation``."""
+    speculation, naming ``<role>_settings.speculation``: a DP engine runs speculation on its own (``LLM(sharding=...,
+    speculation=...)``), but the cluster's roles do not hand a DP rank's speculative slot state over yet."""
     from deepinfer_jax.config.sharding import resolve_preset
 
     sharding = settings.get("sharding")
@@ -77,8 +78,10 @@ def dp_role_env(role: str, settings: dict) -> dict:
         return {}
     settings.setdefault("speculation", "none")
     if settings["speculation"] not in ("none", "auto"):
-        raise PolicyInputError(f"{role}_settings.speculation", f"must be 'none' for a DP engine (sharding="
-                                                              f"{sharding!r}), got {settings['speculation']!r}")
+        raise PolicyInputError(f"{role}_settings.speculation", f"must be 'none' or 'auto' for a DP role (sharding="
+                                                              f"{sharding!r}): the cluster's roles do not hand a DP "
+                                                              f"rank's speculative state over yet; got "
+                                                              f"{settings['speculation']!r}")
     try:
         preset = resolve_preset(sharding)
     except ValueError as e:

@@ -131,9 +131,11 @@ class EngineConfig:
             ``num_blocks`` and ``max_num_batched_tokens`` are per rank (``step_budget_ns`` too: every
             rank's chunks fit it, with one shared cost model). Prefix caching runs per rank (each
             rank's block pool; the host and file tiers and the window store are shared, so a prefix
-            computed on one rank hits on another) and ``decoder_replay`` on every rank; refuses
-            speculation (not supported with DP yet). A preset with a ``cp`` axis (``cpu-cp4``,
-            ``prefill-cp8``) runs one scheduling domain and prefills long prompts by context parallelism.
+            computed on one rank hits on another) and ``decoder_replay`` on every rank; an explicit
+            ``speculation`` ("fixed", "dspark") runs per rank too (each rank plans its own verification
+            budget), while "auto" stays plain when sharded. A preset with a ``cp`` axis (``cpu-cp4``,
+            ``prefill-cp8``) runs one scheduling domain and prefills long prompts by context parallelism
+            (without speculation: refused there).
         cp_threshold: with a context-parallel preset, a prompt with at least this many tokens still to
             compute prefills alone, as one chunk split by position over the ``cp`` ranks
             (docs/context_parallel.md); shorter ones run as ordinary chunks. None = the preset's
@@ -192,9 +194,6 @@ class EngineConfig:
         check_bools(self, ("default_thinking_mode",))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if self.parallel.sharded and self.spec.speculation not in ("auto", "none"):  # not with DP yet
-            raise ValueError(f"speculation must be 'auto' or 'none' with sharding (not supported with attention data "
-                             f"parallel yet), got {self.speculation!r}")
 
     # ---- the flat view ----
 

@@ -37,7 +37,13 @@ or the ``rank`` the cluster's decode balancer chose) and admits it on that rank'
 into that rank's pool and its slot state into that rank's slot, and a role reads a request's slot and blocks
 from its rank's slice (``snapshot_slot`` / ``read_blocks`` with ``rank=``).
 
-Not supported with DP yet: speculative decoding (``EngineConfig`` refuses ``speculation`` with ``sharding``).
+Speculative decoding (``spec=SpecDecoding`` with a ``runner.SpecRunner`` over the mesh): each rank's decoding
+requests verify their slots' drafts as on one device; ``SpecDecoding.plan_ranks`` plans every rank's verification
+on its own (its rows' caps, its budget and whether it drafts again), and the runner runs every rank's draft and
+verify rows in one program. ``rank_spec_verified[d]`` / ``rank_spec_accepted[d]`` count the drafts rank d verified
+and accepted (``LLM.stats``' ``dp_rank_spec_drafts_verified`` / ``dp_rank_spec_accepted``; they sum to the engine's
+``spec_drafts_verified`` / ``spec_drafts_accepted``). The step loop is still this class's own, beside
+``EngineCore.step`` (the two are not merged yet).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.engine.request import Request
 from deepinfer_jax.engine.sampling_params import SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.engine.spec_decode import SpecDecoding
 from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax.parallel.eplb_policy import RebalancePolicy, Rebalancer
 
@@ -78,6 +85,7 @@ class _DPPlan(SchedulerOutput):
 @dataclass
 class _DPInFlight(_InFlight):
     forward: Any = None  # the runner's Forward when EPLB reads its slot counts
+    ranks: list = None  # speculative decoding: each chunk's DP rank
 
 
 class DPEngineCore(EngineCore):
@@ -87,12 +95,13 @@ class DPEngineCore(EngineCore):
     ``schedulers[d]`` schedules rank d (all with the same settings; ``EngineCore.scheduler`` is rank 0's
     and is read only for what every rank shares, e.g. ``max_model_len``). ``rank_requests[d]`` counts the
     requests routed to rank d, ``rank_tokens[d]`` the tokens it computed and ``rank_idle_steps[d]`` the
-    steps it ran only padding.
+    steps it ran only padding; with ``spec``, ``rank_spec_verified[d]`` / ``rank_spec_accepted[d]`` the drafts
+    its verify rows verified and accepted.
     """
 
     def __init__(self, runner: ModelRunner, schedulers: Sequence[Scheduler], *, tokenizer: Tokenizer | None,
                  eos_token_id: int, seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None, spec: SpecDecoding | None = None) -> None:
         schedulers = list(schedulers)
         if len(schedulers) != runner.dp_size:
             raise ValueError(f"schedulers: one per DP rank ({runner.dp_size}), got {len(schedulers)}")
@@ -113,12 +122,15 @@ class DPEngineCore(EngineCore):
                                      "one block store")
                 s.prefix.snapshots = first.snapshots  # one window store: a window saved on one rank serves all
         super().__init__(runner, schedulers[0], tokenizer=tokenizer, eos_token_id=eos_token_id, seed=seed,
-                         async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=structured)
+                         async_scheduling=async_scheduling, max_logprobs=max_logprobs, structured=structured,
+                         spec=spec)
         self.schedulers = schedulers
         self._rank: dict[str, int] = {}  # unfinished request id -> its DP rank
         self.rank_requests = [0] * len(schedulers)
         self.rank_tokens = [0] * len(schedulers)
         self.rank_idle_steps = [0] * len(schedulers)
+        self.rank_spec_verified = [0] * len(schedulers)
+        self.rank_spec_accepted = [0] * len(schedulers)
         #: The EPLB loop (None without the EP MoE); its ``placement`` is the one the next step runs with.
         self.eplb: Rebalancer | None = None
         placement = getattr(runner, "placement", None)
@@ -190,7 +202,12 @@ class DPEngineCore(EngineCore):
             plan.predicted_ns, plan.cost_shape = slowest.predicted_ns, slowest.shape()
         if plan.chunks:
             self._restore_states(plan.chunks)  # prefix-cache hits: uploads and windows into their rank's slots
-            specs = [[self._spec(c) for c in p.chunks] for p in plans]
+            planned = None
+            if self.spec is None:
+                specs = [[self._spec(c) for c in p.chunks] for p in plans]
+            else:  # every rank's verification planned on its own
+                budgets, caps, planned, drafts = self.spec.plan_ranks([p.chunks for p in plans], fresh=prev is None)
+                specs = [[self._spec(c, caps[d].get(i)) for i, c in enumerate(p.chunks)] for d, p in enumerate(plans)]
             rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
                     if c.sample and c.request.matcher is not None]  # (matcher, chunk index)
             masks = None
@@ -200,8 +217,15 @@ class DPEngineCore(EngineCore):
                     prev = None
                 height, at = self.runner.sample_rows(specs)
                 masks = self.structured.masks(height, [(m, at[i]) for m, i in rows])
-            fwd = self.runner.forward(specs)
-            launched = _DPInFlight(plan, None, time.perf_counter(), forward=fwd if self.eplb is not None else None)
+            if planned is None:
+                fwd = self.runner.forward(specs)
+            else:
+                logprobs = any(c.request.logprobs is not None for c in plan.chunks)
+                fwd = self.runner.forward(specs, budgets, drafts, logprobs)
+                planned.tokens = max(planned.tokens, getattr(fwd, "tokens", 0))  # the bucket every rank ran in
+            launched = _DPInFlight(plan, None, time.perf_counter(), spec=planned, started=t0,
+                                   forward=fwd if self.eplb is not None else None,
+                                   ranks=[d for d, p in enumerate(plans) for _ in p.chunks])
             if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
                 prev.compiled = True
             self._copies_behind(launched)  # window copies and block reads right behind the model step
@@ -234,6 +258,11 @@ class DPEngineCore(EngineCore):
 
     def _reconcile(self, step: _InFlight, on_tokens=None) -> list[RequestOutput]:
         finished = super()._reconcile(step, on_tokens)
+        if step.spec is not None:  # per rank, the drafts its verify rows verified and accepted (as ``observe``)
+            for i, (c, res) in enumerate(zip(step.plan.chunks, step.pending.result())):
+                if c.verify and res:
+                    self.rank_spec_verified[step.ranks[i]] += step.pending.verified[i]
+                    self.rank_spec_accepted[step.ranks[i]] += len(res) - 1
         fwd = getattr(step, "forward", None)
         if self.eplb is not None and fwd is not None:  # the step's expert load; maybe a rebalance before the next
             new = self.eplb.record_slots(self.runner.slot_counts(fwd), fwd.placement)

@@ -12,6 +12,9 @@ confidences of its next drafts (the next plan's estimate, one step stale under a
 scheduling), and the step's wall time (host work included) for its token bucket. Steps whose
 sampling runs the top-p / top-k threshold search (every logit row then searches, so each verified
 token costs more) keep their own step-time tables (``search_times``).
+
+Over attention data-parallel ranks (``engine.dp_core``) ``plan_ranks`` plans each rank's rows on their own (each
+rank gets its own budget and its own drafting switch) and counts the step once; ``observe`` is the same.
 """
 
 from __future__ import annotations
@@ -71,6 +74,43 @@ class SpecDecoding:
         step verifies (no step in flight); else (asynchronous scheduling) it holds the previous block's,
         and the plan assumes the acceptance observed per depth instead: measured at one sequence, the
         stale confidences picked worse budgets than that average (1.08x vs 1.14x plain decoding)."""
+        plan, caps, planned, draft = self._plan_one(chunks, fresh)
+        self._count([plan.budget], draft)
+        return plan, caps, planned, draft
+
+    def plan_ranks(self, chunks_by_rank: Sequence[Sequence],
+                   fresh: bool = True) -> tuple[list[int], list[dict[int, tuple[int, bool]]], _Planned, list[bool]]:
+        """``plan`` for a step over attention data-parallel ranks, one plan per rank: (per rank its budget, its
+        verify rows' chunk index -> (cap, forced) within the rank's list, whether it drafts the next blocks;
+        what to remember, keyed by the chunk's index in the ranks' lists concatenated). Each rank's budget is
+        the policy's answer for that rank's rows alone (the step times are those of a whole DP step, which
+        lasts as long as its slowest rank); the step's planned tokens are the largest rank's (all ranks run
+        padded to one bucket). An idle rank verifies and drafts nothing. Counted as one step."""
+        budgets, caps, drafts, survival, tokens, search, base = [], [], [], {}, 0, False, 0
+        for chunks in chunks_by_rank:
+            if not chunks:
+                budgets.append(0)
+                caps.append({})
+                drafts.append(False)
+                continue
+            plan, rank_caps, planned, draft = self._plan_one(chunks, fresh)
+            budgets.append(plan.budget)
+            caps.append(rank_caps)
+            drafts.append(draft)
+            survival.update({base + i: v for i, v in planned.survival.items()})
+            tokens, search = max(tokens, planned.tokens), search or planned.search
+            base += len(chunks)
+        self._count([sum(budgets)], any(drafts))
+        return budgets, caps, _Planned(survival, tokens, any(drafts), search), drafts
+
+    def _count(self, budgets: list[int], draft: bool) -> None:
+        self.stats.budgets.extend(budgets)
+        self.stats.steps_drafting += draft
+        self.stats.steps += 1
+
+    def _plan_one(self, chunks: Sequence,
+                  fresh: bool) -> tuple[VerifyPlan, dict[int, tuple[int, bool]], _Planned, bool]:
+        """``plan`` without the step counters."""
         idx = [i for i, c in enumerate(chunks) if c.verify]
         rows, could = [], []
         for i in idx:
@@ -94,11 +134,8 @@ class SpecDecoding:
             self.policy.times, self.policy.plain_times = self._tables(search)
         plan = self.policy.plan(rows, host_tokens)
         caps = {i: (cap, forced) for i, cap, forced in zip(idx, plan.caps, plan.forced)}
-        self.stats.budgets.append(plan.budget)
         tokens = host_tokens + len(idx) + sum(c for c, f in zip(plan.caps, plan.forced) if f) + plan.budget
         draft = self.policy.worth_drafting(could, host_tokens)
-        self.stats.steps_drafting += draft
-        self.stats.steps += 1
         for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
             if c.sample:
                 c.request.has_drafts = draft and self._drafts_for(c.request)

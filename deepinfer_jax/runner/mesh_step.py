@@ -15,6 +15,13 @@ With EPLB (``ep_size > 1`` and the preset's ``eplb.enabled``) the step runs as o
 (``model.moe_strategy``; its ``parallel.ep_model.StepEP`` from ``ep_spec``) as a static argument and every
 layer's routing tables as a jit argument, and returns every layer's pair count per physical slot.
 Sampling is one program over the ``dp x rows`` logits (``dp_sample``).
+
+Speculative decoding (``runner.spec_runner.SpecRunner`` over a mesh, ``spec_programs``): the same layout for the
+speculative pair of ``step_programs``. The model step (``dp_spec_forward``, or ``dp_spec_forward_ep`` with the EP
+MoE) builds each rank's verify rows from that rank's slice of the stacked speculative state and runs every rank
+in one program split over the DP axes, as the plain step does; acceptance and drafting (``dp_spec_sample``) is
+one program over every rank's rows (``jax.vmap`` along dp). Each rank has its own verification budget and its own
+drafting switch (``SpecRows.budget`` and ``draft`` carry the dp axis).
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ from deepinfer_jax import sharding as sh
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.moe_strategy import MoEStrategy
 from deepinfer_jax.parallel import ep_model
-from deepinfer_jax.runner.step_programs import forward_step, sample_rows
+from deepinfer_jax.runner.step_programs import forward_step, sample_rows, spec_forward_step, spec_sample_step
 
-__all__ = ["dp_forward", "dp_forward_ep", "dp_sample", "ep_spec", "manual_axes", "per_rank", "programs",
-           "stacked_cache"]
+__all__ = ["dp_forward", "dp_forward_ep", "dp_sample", "dp_spec_forward", "dp_spec_forward_ep", "dp_spec_sample",
+           "ep_spec", "manual_axes", "per_rank", "programs", "spec_programs", "stacked_cache"]
 
 
 def dp_forward(cfg, cache_cfg, params, cache, last_ids, feed, inputs):
@@ -123,3 +130,60 @@ def programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple
 def stacked_cache(cfg, cache_cfg, dp: int):
     """``init_cache`` repeated ``dp`` times along a new leading axis."""
     return jax.tree.map(lambda a: jnp.broadcast_to(a[None], (dp, *a.shape)), init_cache(cfg, cache_cfg))
+
+
+def dp_spec_forward(cfg, cache_cfg, params, drafter, cache, spec, last_ids, inputs, rows):
+    """The speculative model step on every rank: cache, spec, last_ids, inputs and rows with a leading dp axis ->
+    (logits [dp, M, V], cache, spec, layout, the rows' slots [dp, R])."""
+    step = lambda c, s, last, inp, r: spec_forward_step(params, drafter, cfg, cache_cfg, c, s, last, inp, r)
+    return jax.vmap(step)(cache, spec, last_ids, inputs, rows)
+
+
+def dp_spec_forward_ep(cfg, cache_cfg, moe, params, tables, drafter, cache, spec, last_ids, inputs, rows):
+    """One device's share of the speculative EP step (``shard_map`` manual over the whole mesh; the leading dp axis
+    has size 1), as ``dp_forward_ep``: the outputs of ``dp_spec_forward`` plus the slot counts [L, P]."""
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    logits, cache, spec, layout, slot, counts = spec_forward_step(
+        params, drafter, cfg, cache_cfg, first(cache), first(spec), last_ids[0], first(inputs), first(rows), moe,
+        tables)
+    lead = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    return logits[None], lead(cache), lead(spec), lead(layout), slot[None], counts
+
+
+def dp_spec_sample(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec, last_ids,
+                   slot, draft, want_logprobs):
+    """Acceptance and drafting on every rank: everything but the states, ``has_mask`` and ``want_logprobs`` has a
+    leading dp axis (``mask`` [dp, R, W], ``draft`` [dp])."""
+    step = lambda lg, m, smp, lay, r, s, last, sl, d: spec_sample_step(
+        num_top, cfg, params, drafter, heads, lg, m, has_mask, smp, lay, r, s, last, sl, d, want_logprobs)
+    return jax.vmap(step)(logits, mask, sampling, layout, rows, spec, last_ids, slot, draft)
+
+
+@functools.lru_cache(maxsize=8)
+def spec_programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple[str, ...], ep_spec,
+                  param_specs: tuple, param_treedef):
+    """The jitted (speculative model step, acceptance program) of one layout (``programs``' arguments). The
+    drafter and its heads are replicated; the step donates the cache and the speculative state."""
+    dp = NamedSharding(mesh, PartitionSpec(dp_axes or None))
+    repl = NamedSharding(mesh, PartitionSpec())
+    param_sh = jax.tree_util.tree_unflatten(param_treedef, [NamedSharding(mesh, s) for s in param_specs])
+    dps = PartitionSpec(dp_axes or None)
+    if ep_spec is None:
+        step = functools.partial(dp_spec_forward, cfg, cache_cfg)
+        if manual and hasattr(jax, "shard_map"):  # one program per rank along the manual axes (``per_rank``)
+            mp = PartitionSpec(manual)
+            step = jax.shard_map(step, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), mp, mp, mp, mp, mp),
+                                 out_specs=(mp,) * 5, axis_names=set(manual), check_vma=False)
+        forward = jax.jit(step, donate_argnums=(2, 3), in_shardings=(param_sh, repl, dp, dp, dp, dp, dp),
+                          out_shardings=(dp,) * 5)
+    else:
+        moe = MoEStrategy("ep", ep_spec)
+        step = jax.shard_map(functools.partial(dp_spec_forward_ep, cfg, cache_cfg, moe), mesh=mesh,
+                             in_specs=(jax.tree_util.tree_unflatten(param_treedef, param_specs), PartitionSpec(),
+                                       PartitionSpec(), dps, dps, dps, dps, dps),
+                             out_specs=(dps,) * 5 + (PartitionSpec(),), axis_names=set(manual), check_vma=False)
+        forward = jax.jit(step, donate_argnums=(3, 4), in_shardings=(param_sh, repl, repl, dp, dp, dp, dp, dp),
+                          out_shardings=(dp,) * 5 + (repl,))
+    sample = jax.jit(dp_spec_sample, static_argnums=(0, 1), donate_argnums=(11, 12),
+                     out_shardings=(repl, repl, repl, repl, dp, dp))
+    return forward, sample

@@ -647,10 +647,10 @@ class ModelRunner:
 
 
 class _EveryRank:
-    """``cache_cfg`` and ``launch(chunks)`` of a runner over a mesh, the chunks given to every rank."""
+    """``cache_cfg``, ``buckets`` and ``launch(chunks)`` of a runner over a mesh, the chunks given to every rank."""
 
     def __init__(self, runner: ModelRunner):
-        self.runner, self.cache_cfg = runner, runner.cache_cfg
+        self.runner, self.cache_cfg, self.buckets = runner, runner.cache_cfg, runner.buckets
 
-    def launch(self, chunks: Sequence[ChunkSpec]) -> PendingStep:
-        return self.runner.launch([list(chunks)] * self.runner.dp_size)
+    def launch(self, chunks: Sequence[ChunkSpec], **step) -> PendingStep:
+        return self.runner.launch([list(chunks)] * self.runner.dp_size, **step)  # ``step``: a SpecRunner's options

@@ -35,34 +35,25 @@ from deepinfer_jax.runner.buckets import Buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inputs, check_chunks, sampling_batch
-from deepinfer_jax.runner.step_programs import TRACES, count_trace
+from deepinfer_jax.runner.step_programs import count_trace, spec_forward_step, spec_sample_step
 
 __all__ = ["SpecForward", "SpecPending", "SpecRunner"]
 
 
 def _spec_forward(ptree, pleaves, dtree, dleaves, cfg, cache_cfg, cache, spec, last_ids, inputs, rows):
-    """Build the verify rows on the device, run the step with the DSpark capture, keep the features.
-    The target's and the drafter's states come as (treedef, leaves) (see ``step_programs.logits_step_flat``)."""
-    TRACES[0] += 1
+    """``step_programs.spec_forward_step`` with the target's and the drafter's states as (treedef, leaves) (see
+    ``step_programs.logits_step_flat``)."""
     params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
-    full, layout = spec_ops.verify_inputs(inputs, rows, spec, last_ids)
-    logits, cache, captured = paged_step(params, cfg, cache_cfg, cache, full,
-                                         capture=tuple(cfg.dspark_target_layer_ids))
-    spec = spec_ops.write_features(spec, drafter, cfg, captured)
-    return logits, cache, spec, layout._replace(counts=jnp.where(rows.is_verify, layout.counts, 0)), full.req_slot
+    return spec_forward_step(params, drafter, cfg, cache_cfg, cache, spec, last_ids, inputs, rows)
 
 
 def _spec_sample(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, mask, has_mask, sampling, layout, rows,
                  spec, last_ids, slot_R, draft, want_logprobs):
-    """Accept, take the tokens into the slots, draft the next blocks."""
-    TRACES[0] += 1
+    """``step_programs.spec_sample_step`` with the states as (treedef, leaves): accept, take the tokens into the
+    slots, draft the next blocks."""
     params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
-    out = spec_ops.accept(logits, layout, rows, sampling, spec, slot_R, num_top, heads.ids, mask, has_mask,
-                          want_logprobs)
-    spec, last_ids = spec_ops.draft_next(spec, last_ids, drafter, params, cfg, heads, out, layout, rows, sampling,
-                                         slot_R, draft)
-    conf = spec.conf[jnp.clip(slot_R, 0, spec.conf.shape[0] - 1)]
-    return out, layout.counts, layout.anchor, conf, spec, last_ids
+    return spec_sample_step(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec,
+                            last_ids, slot_R, draft, want_logprobs)
 
 
 @dataclass
@@ -80,13 +71,17 @@ class SpecForward:
     draft: bool
     logprobs: bool = True
     tokens: int = 0  # the token bucket the step ran in
+    chunk_rows: list[int] | None = None  # over a mesh: chunk i's row of the mask (rank d's k-th: d * rows + k)
+    slot_counts: jax.Array | None = None  # EP step: [L, P] pairs per physical slot (``ModelRunner.slot_counts``)
+    placement: object = None  # EP step: the placement the step ran with
 
 
 class SpecPending:
     """A launched speculative step; ``result()`` waits for the device (see the module docstring)."""
 
-    def __init__(self, outputs, chunks: Sequence[ChunkSpec], order: Sequence[int]):
+    def __init__(self, outputs, chunks: Sequence[ChunkSpec], order: Sequence[int], ranked: bool = False):
         self._out, self._chunks, self._order, self._result = outputs, chunks, order, None
+        self._ranked = ranked  # over a mesh: the arrays are [dp, R, ...], ``order`` indexes them flattened
         self.verified: list[int] = []  # drafts verified per chunk (after result())
         self.anchors: list[int] = []  # verify rows: the anchor position they ran at
         self.confidence: list[np.ndarray] = []  # per chunk: the confidences of its next drafts [K]
@@ -94,8 +89,9 @@ class SpecPending:
     def result(self) -> list[list[tuple[int, float, np.ndarray, np.ndarray]] | None]:
         if self._result is None:
             acc, counts, anchors, conf = self._out[:4]
-            tokens, n_new, lp, top_ids, top_lp = (np.asarray(a) for a in acc)
-            counts, anchors, conf = np.asarray(counts), np.asarray(anchors), np.asarray(conf)
+            flat = (lambda a: a.reshape(-1, *a.shape[2:])) if self._ranked else (lambda a: a)
+            tokens, n_new, lp, top_ids, top_lp = (flat(np.asarray(a)) for a in acc)
+            counts, anchors, conf = flat(np.asarray(counts)), flat(np.asarray(anchors)), flat(np.asarray(conf))
             res = []
             for c, i in zip(self._chunks, self._order):
                 if c.sample is None:
@@ -116,11 +112,16 @@ class SpecRunner(ModelRunner):
     ``drafter``: the DSpark drafter's state (``model.dspark``). ``draft_vocab``: the token ids the drafter
     may propose (a frequency-ranked subset makes drafting cheaper: its head scores only those rows; the
     verification stays lossless), None = the whole vocabulary. ``num_top_logprobs`` as in ModelRunner.
+
+    ``mesh`` / ``preset``: over a device mesh (attention data parallel, as ``ModelRunner``) the speculative state
+    is stacked per DP rank like the cache, the drafter and its heads are replicated, and a step takes one chunk
+    list per rank with one verification budget and one drafting switch per rank (``runner.mesh_step.spec_programs``:
+    every rank's draft / verify rows in one program over the mesh).
     """
 
     def __init__(self, cfg, params, drafter, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5,
-                 decoder_replay: bool = False, draft_vocab=None):
-        super().__init__(cfg, params, cache_cfg, buckets, num_top_logprobs, decoder_replay)
+                 decoder_replay: bool = False, draft_vocab=None, *, mesh=None, preset=None):
+        super().__init__(cfg, params, cache_cfg, buckets, num_top_logprobs, decoder_replay, mesh=mesh, preset=preset)
         k = cfg.dspark_block_size
         if cache_cfg.spec_slack < k:
             raise ValueError(f"spec_slack must be >= dspark_block_size ({k}) to absorb the rollback of "
@@ -131,21 +132,43 @@ class SpecRunner(ModelRunner):
                 raise ValueError(f"draft_vocab must be distinct token ids in [0, {cfg.vocab_size})")
         self.drafter, self.k = drafter, k
         self.heads = dspark.draft_heads(drafter, params, cfg, draft_vocab)
-        self.spec = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, cfg.sliding_window + cache_cfg.spec_slack,
-                                             int(self.heads.ids.shape[0]))
-        self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
-        self._spec_forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=count_trace)
-        self._spec_sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=count_trace)
+        ring, vd = cfg.sliding_window + cache_cfg.spec_slack, int(self.heads.ids.shape[0])
+        if mesh is None:
+            self.spec = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, ring, vd)
+            self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
+            self._spec_forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7),
+                                               on_build=count_trace)
+            self._spec_sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14),
+                                              on_build=count_trace)
+        else:
+            self._mesh_spec_programs(ring, vd)
+
+    def _mesh_spec_programs(self, ring: int, vd: int) -> None:
+        from deepinfer_jax import sharding as sh
+        from deepinfer_jax.runner import mesh_step
+
+        cfg, slots, dp = self.cfg, self.cache_cfg.max_requests, self.dp_size
+        self.drafter, self.heads = sh.place((self.drafter, self.heads), self._replicated)
+        stack = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (dp, *a.shape)),
+                                     spec_ops.init_spec_state(cfg, slots, ring, vd))
+        self.spec = jax.jit(stack, out_shardings=self._dp)()
+        leaves, treedef = jax.tree_util.tree_flatten(self.params)
+        self._spec_forward_fn, self._spec_sample_fn = mesh_step.spec_programs(
+            cfg, self.cache_cfg, self.mesh, self.preset.dp_axes, self.manual_axes, self.ep_spec,
+            tuple(x.sharding.spec for x in leaves), treedef)
 
     def logit_rows(self, n: int, r: int) -> int:
         """Logit rows of a (tokens n, requests r) step: at most K + 1 per request row."""
         return min(n, r * (self.k + 1))
 
     def precompile(self, sampling: bool = False, progress=None) -> None:
-        """Compile the plain logits step (``sampling=False``) or the speculative engine step of every
-        bucket with all-padding inputs, plus the prefix cache's copies."""
-        if not sampling:
+        """Compile the plain logits step (``sampling=False``; one device only) or the speculative engine step of
+        every bucket with all-padding inputs, plus the prefix cache's copies (over a mesh always the engine's
+        step, and the weight move of a rebalance)."""
+        if not sampling and self.mesh is None:
             return super().precompile(False, progress)
+        if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
+            self.set_placement(self.placement)
         self.restore_swa(0, self.snapshot_swa(0), [], 0)
         self.restore_swa(0, None, [], 0)
         self.block_payloads(self.read_blocks([0]))
@@ -155,68 +178,132 @@ class SpecRunner(ModelRunner):
             shapes = [(n, r, b, d) for n, r, b in shapes for d in self.buckets.tokens if d <= n]
         if progress is not None:
             progress(0, len(shapes))
+        dp = self.dp_size
         for i, (n, r, b, *d) in enumerate(shapes):
             self.bucket_use.compiled.add((n, r, b))
-            self.sample(self._dispatch([], 0, True, n, r, b, *d)).result()
+            self.sample(self._dispatch([[]] * dp, [0] * dp, [True] * dp, n, r, b, *d)).result()
             if progress is not None:
                 progress(i + 1, len(shapes))
 
     # -- the engine's step -------------------------------------------------------------------
-    def launch(self, chunks: Sequence[ChunkSpec], budget: int = 0, draft: bool = True,
-               logprobs: bool = True) -> SpecPending:
+    def launch(self, chunks, budget=0, draft=True, logprobs: bool = True) -> SpecPending:
         return self.sample(self.forward(chunks, budget, draft, logprobs))
 
-    def forward(self, chunks: Sequence[ChunkSpec], budget: int = 0, draft: bool = True,
-                logprobs: bool = True) -> SpecForward:
+    def forward(self, chunks, budget=0, draft=True, logprobs: bool = True) -> SpecForward:
         """Validate and dispatch the model step; ``budget``: drafts to verify over the non-forced verify
         rows (the forced ones add their caps); ``draft``: whether the acceptance program drafts again;
-        ``logprobs``: whether it computes logprobs (else they come back as zeros)."""
-        if not chunks:
+        ``logprobs``: whether it computes logprobs (else they come back as zeros). Over a mesh ``chunks`` is
+        one list per DP rank (empty = the rank idles) and ``budget`` / ``draft`` are one value for every rank or
+        one per rank; ``StepInputError`` names the rank and chunk that cannot run."""
+        by_rank = self._by_rank(chunks)
+        if not any(by_rank):
             raise StepInputError("a step needs at least one chunk")
-        check_chunks(chunks, self.cfg, self.cache_cfg)
-        if not isinstance(budget, (int, np.integer)) or budget < 0:
-            raise StepInputError(f"budget must be an integer >= 0, got {budget!r}")
-        host = [c for c in chunks if not c.verify]
-        ver = [c for c in chunks if c.verify]
-        budget = min(int(budget), sum(c.max_drafts for c in ver if not c.forced))
-        forced = sum(c.max_drafts for c in ver if c.forced)
+        dp = self.dp_size
+        budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * dp
+        drafts = [bool(x) for x in draft] if isinstance(draft, (list, tuple)) else [bool(draft)] * dp
+        if len(budgets) != dp or len(drafts) != dp:
+            raise StepInputError(f"budget and draft: one value, or one per DP rank ({dp})")
+        need = []  # per rank: (tokens, requests, blocks) of its step
+        for d, cs in enumerate(by_rank):
+            where = "" if self.mesh is None else f"rank {d}: "
+            try:
+                check_chunks(cs, self.cfg, self.cache_cfg)
+            except StepInputError as e:
+                raise StepInputError(f"{where}{e}") from None
+            if not isinstance(budgets[d], (int, np.integer)) or isinstance(budgets[d], bool) or budgets[d] < 0:
+                raise StepInputError(f"{where}budget must be an integer >= 0, got {budgets[d]!r}")
+            host = [c for c in cs if not c.verify]
+            ver = [c for c in cs if c.verify]
+            budgets[d] = min(int(budgets[d]), sum(c.max_drafts for c in ver if not c.forced))
+            forced = sum(c.max_drafts for c in ver if c.forced)
+            if cs:
+                need.append((sum(len(c.token_ids) for c in host) + len(ver) + forced + budgets[d], len(cs),
+                             max(len(c.block_table) for c in cs)))
         try:
-            n = Buckets.pick(self.buckets.tokens, sum(len(c.token_ids) for c in host) + len(ver) + forced + budget,
-                             "tokens in the step")
-            r = Buckets.pick(self.buckets.requests, len(chunks), "requests in the step")
-            b = Buckets.pick(self.buckets.blocks, max(len(c.block_table) for c in chunks), "block_table length")
+            n = Buckets.pick(self.buckets.tokens, max(x[0] for x in need), "tokens in the step")
+            r = Buckets.pick(self.buckets.requests, max(x[1] for x in need), "requests in the step")
+            b = Buckets.pick(self.buckets.blocks, max(x[2] for x in need), "block_table length")
         except ValueError as e:
             raise StepInputError(str(e)) from None
-        n, b = self.bucket_use.choose(n, r, b)
-        fwd = self._dispatch(chunks, budget, draft, n, r, b)
+        if self.mesh is None:
+            n, b = self.bucket_use.choose(n, r, b)
+        fwd = self._dispatch(by_rank, budgets, drafts, n, r, b)
         fwd.logprobs, fwd.tokens = logprobs, n
         return fwd
 
     def sample(self, fwd: SpecForward, mask: np.ndarray | None = None) -> SpecPending:
         """Dispatch acceptance + drafting; ``mask`` [rows bucket, mask_words] as in ``ModelRunner.sample``
-        (row i = chunk i in the caller's order)."""
+        (row i = chunk i in the caller's order; over a mesh row ``fwd.chunk_rows[i]``)."""
+        ranked = self.mesh is not None
         if mask is None:
             if fwd.rows not in self._no_mask:
-                self._no_mask[fwd.rows] = filled((fwd.rows, self.mask_words), jnp.int32, -1)
+                self._no_mask[fwd.rows] = self._all_ones((fwd.rows, self.mask_words))
             dev_mask, has = self._no_mask[fwd.rows], np.False_
         else:
             if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
                 raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
                                      f"{mask.dtype} {mask.shape}")
             dev_mask = np.full_like(mask, -1)
-            for i, row in enumerate(fwd.order):
-                dev_mask[row] = mask[i]
+            given = fwd.chunk_rows or range(len(fwd.order))
+            for at, row in zip(given, fwd.order):
+                dev_mask[row] = mask[at]
             has = np.True_
-        outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self._ptree, self._pleaves, self._dtree,
-                                    self._dleaves, self.heads, fwd.logits, dev_mask, has, fwd.sampling, fwd.layout,
-                                    fwd.spec_rows, self.spec, self.last_ids, fwd.slot, np.bool_(fwd.draft),
-                                    np.bool_(fwd.logprobs))
+        if not ranked:
+            outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self._ptree, self._pleaves, self._dtree,
+                                        self._dleaves, self.heads, fwd.logits, dev_mask, has, fwd.sampling,
+                                        fwd.layout, fwd.spec_rows, self.spec, self.last_ids, fwd.slot,
+                                        np.bool_(fwd.draft), np.bool_(fwd.logprobs))
+        else:
+            dp = self.dp_size
+            if mask is not None:  # laid out as the all-ones mask: no retrace
+                dev_mask = self._global(dev_mask.reshape(dp, fwd.rows // dp, self.mask_words), self._dp, always=True)
+            draft = np.asarray(fwd.draft, bool)
+            has, sampling, draft, want = self._global((has, fwd.sampling, draft, np.bool_(fwd.logprobs)),
+                                                      self._replicated)
+            outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self.params, self.drafter, self.heads,
+                                        fwd.logits, dev_mask, has, sampling, fwd.layout, fwd.spec_rows, self.spec,
+                                        self.last_ids, fwd.slot, draft, want)
         *result, self.spec, self.last_ids = outs
-        return SpecPending(result, fwd.chunks, fwd.order)
+        return SpecPending(result, fwd.chunks, fwd.order, ranked)
 
     # -- internals ---------------------------------------------------------------------------
-    def _dispatch(self, chunks: Sequence[ChunkSpec], budget: int, draft: bool, n: int, r: int, b: int,
-                      d: int | None = None) -> SpecForward:
+    def _all_ones(self, shape) -> jax.Array:
+        if self.mesh is None:
+            return filled(shape, jnp.int32, -1)
+        dp = self.dp_size  # laid out per rank, as a given mask is
+        return jax.jit(lambda: jnp.full((dp, shape[0] // dp, shape[1]), -1, jnp.int32), out_shardings=self._dp)()
+
+    def _dispatch(self, chunks_by_rank, budgets, drafts, n: int, r: int, b: int, d: int | None = None) -> SpecForward:
+        """Every rank's inputs padded to (n, r, b) (and ``d`` decoder tokens); one device runs its rank's, a mesh
+        stacks them along dp."""
+        if self.decoder_replay and d is None and self.mesh is not None:  # one decoder-token bucket for every rank
+            d = max(int(self._rank_inputs(cs, 0, n, r, b, None)[0].decoder_rows.shape[0]) for cs in chunks_by_rank)
+        parts = [self._rank_inputs(cs, budget, n, r, b, d) for cs, budget in zip(chunks_by_rank, budgets)]
+        chunks = [c for cs in chunks_by_rank for c in cs]
+        if self.mesh is None:
+            inp, rows, sampling, order = parts[0]
+            logits, self.cache, self.spec, layout, slot = self._spec_forward_fn(
+                self._ptree, self._pleaves, self._dtree, self._dleaves, self.cfg, self.cache_cfg, self.cache,
+                self.spec, self.last_ids, inp, rows)
+            return SpecForward(logits, layout, rows, slot, sampling, chunks, order, r, drafts[0])
+        stack = lambda *trees: jax.tree.map(lambda *a: np.stack(a), *trees)
+        inp, rows, sampling = (stack(*[p[i] for p in parts]) for i in range(3))
+        order = [rank * r + i for rank, p in enumerate(parts) for i in p[3]]
+        chunk_rows = [rank * r + k for rank, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
+        inp, rows = self._global((inp, rows), self._dp)
+        counts = None
+        if self.placement is None:
+            logits, self.cache, self.spec, layout, slot = self._spec_forward_fn(
+                self.params, self.drafter, self.cache, self.spec, self.last_ids, inp, rows)
+        else:
+            logits, self.cache, self.spec, layout, slot, counts = self._spec_forward_fn(
+                self.params, self.tables, self.drafter, self.cache, self.spec, self.last_ids, inp, rows)
+        return SpecForward(logits, layout, rows, slot, sampling, chunks, order, self.dp_size * r, list(drafts),
+                           chunk_rows=chunk_rows, slot_counts=counts, placement=self.placement)
+
+    def _rank_inputs(self, chunks: Sequence[ChunkSpec], budget: int, n: int, r: int, b: int, d: int | None):
+        """One rank's (StepInputs, SpecRows, SamplingInputs, each chunk's request row) for a step of shape
+        (n, r, b): host chunks first, then the verify rows."""
         slots = self.cache_cfg.max_requests
         host = [c for c in chunks if not c.verify]
         ver = [c for c in chunks if c.verify]
@@ -248,15 +335,11 @@ class SpecRunner(ModelRunner):
             prompt_len=arr(lambda c: c.prompt_len, np.int32), host_logit=host_logit,
             ctx_from=arr(lambda c: c.ctx_from, np.int32), budget=np.int32(budget), prefill_tokens=np.int32(p),
             prefill_logits=np.int32(mp), logit_base=np.int32(p))
-        _, sampling, sample_slot = sampling_batch(ordered, inp, n, r, slots)
+        _, sampling, _ = sampling_batch(ordered, inp, n, r, slots)  # verify rows store their anchor in their slot
         inp = inp._replace(logit_rows=logit_rows)
         if self.decoder_replay:
             inp, rows = self._spec_decoder_rows(host, ordered, inp, rows, n - p, d)
-        logits, self.cache, self.spec, layout, slot = self._spec_forward_fn(
-            self._ptree, self._pleaves, self._dtree, self._dleaves, self.cfg, self.cache_cfg, self.cache, self.spec,
-            self.last_ids, inp, rows)
-        del sample_slot  # every producing row stores its anchor in its slot (``speculative.draft_next``)
-        return SpecForward(logits, layout, rows, slot, sampling, list(chunks), order, r, draft)
+        return inp, rows, sampling, order
 
     def _spec_decoder_rows(self, host, ordered, inp, rows, room: int, d: int | None):
         """Decoder bounded replay: the host chunks' tails from ``decoder_from`` run the decoder, then every

@@ -7,6 +7,10 @@ jits, on one device as they are and over a mesh once per attention data-parallel
 (``runner.mesh_step``). Each increments ``TRACES`` while it is traced, so ``ModelRunner.traces``
 counts the programs a process built (a program loaded from the program store counts through
 ``count_trace``); tests assert that a long mixed run never recompiles.
+
+``spec_forward_step`` / ``spec_sample_step`` are the speculative engine's pair (``runner.spec_runner``): the model
+step whose verify rows the device builds from the slots' drafts (with the DSpark feature capture), then acceptance
+and the next drafts. Like the plain pair they run as they are on one device and once per DP rank over a mesh.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model import speculative as spec_ops
 from deepinfer_jax.model.moe_strategy import MoEStrategy
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import sample
 
 __all__ = ["TRACES", "count_trace", "forward_step", "forward_step_flat", "logits_step", "logits_step_flat",
-           "sample_rows"]
+           "sample_rows", "spec_forward_step", "spec_sample_step"]
 
 _AUTO = MoEStrategy()
 
@@ -67,3 +72,32 @@ def sample_rows(num_top, logits, mask, has_mask, sampling, last_ids, sample_slot
     TRACES[0] += 1
     out = sample(logits, sampling, num_top, mask, has_mask)
     return out, last_ids.at[sample_slot].set(out.token_ids, mode="drop")
+
+
+def spec_forward_step(params, drafter, cfg, cache_cfg, cache, spec, last_ids, inputs, rows, moe: MoEStrategy = _AUTO,
+                      moe_tables=None):
+    """The speculative model step of one rank: the verify rows' tokens built from ``spec`` (the slots' anchors and
+    drafts, ``model.speculative.verify_inputs``), ``paged_step`` capturing the DSpark target layers, the captured
+    features written into the slots' rings. Returns (logits, cache, spec, layout, the rows' slots), plus the slot
+    counts [L, P] under the ``"ep"`` MoE strategy ``moe``."""
+    TRACES[0] += 1
+    full, layout = spec_ops.verify_inputs(inputs, rows, spec, last_ids)
+    out = paged_step(params, cfg, cache_cfg, cache, full, capture=tuple(cfg.dspark_target_layer_ids), moe=moe,
+                     moe_tables=moe_tables)
+    logits, cache, captured = out[:3]
+    spec = spec_ops.write_features(spec, drafter, cfg, captured)
+    layout = layout._replace(counts=jnp.where(rows.is_verify, layout.counts, 0))
+    return (logits, cache, spec, layout, full.req_slot, *out[3:])
+
+
+def spec_sample_step(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec,
+                     last_ids, slot_R, draft, want_logprobs):
+    """Acceptance of one rank's verify rows (lossless), the anchors taken into the slots and, where ``draft``, the
+    drafter's next blocks. Returns (accepted, drafts verified per row, anchors, next confidences, spec, last_ids)."""
+    TRACES[0] += 1
+    out = spec_ops.accept(logits, layout, rows, sampling, spec, slot_R, num_top, heads.ids, mask, has_mask,
+                          want_logprobs)
+    spec, last_ids = spec_ops.draft_next(spec, last_ids, drafter, params, cfg, heads, out, layout, rows, sampling,
+                                         slot_R, draft)
+    conf = spec.conf[jnp.clip(slot_R, 0, spec.conf.shape[0] - 1)]
+    return out, layout.counts, layout.anchor, conf, spec, last_ids

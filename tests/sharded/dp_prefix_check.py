@@ -9,7 +9,11 @@ the synchronous loop) through the one-device engine and the DP engine, both with
 token ids and finish reasons are equal, the largest logprob difference, every request's ``num_cached_tokens``
 in both, the DP engine's prefix counters (summed and per rank) and whether anything recompiled. Then one row
 ``decoder_<preset>``: ``decoder_replay=True`` with prompts shorter and longer than the kept tokens, against the
-one-device engine with the same setting. Then ``{"check": "done"}``.
+one-device engine with the same setting. Then one row ``spec_<preset>``: speculative decoding (``speculation=
+"dspark"`` with a drafter that often agrees with the model; greedy requests with and without their own seed, so
+forced counts and the confidence-driven budget both run) through the asynchronous, then the synchronous loop,
+against the one-device speculative engine and plain greedy decoding, with the per-rank acceptance counters and
+the error for a ``num_speculative_tokens`` past the drafter's block size. Then ``{"check": "done"}``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from dp_engine_check import SETTINGS, compare, summary
 from shard_common import model_and_inputs
 
 from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.model.dspark import init_drafter_params
+from deepinfer_jax.model.host_arrays import to_device
 
 PREFIX_SETTINGS = {**SETTINGS, "enable_prefix_caching": True}
+SPEC_SETTINGS = {**SETTINGS, "speculation": "dspark", "num_speculative_tokens": 2}
 DECODER_SETTINGS = {**PREFIX_SETTINGS, "decoder_replay": True, "yoco_keep_tokens": 4}  # fewer than the window (8)
 
 
@@ -92,6 +99,68 @@ def decoder_row(cfg, params, preset: str, sp) -> None:
                       "seconds": round(time.perf_counter() - start, 2)}), flush=True)
 
 
+def agreeing_drafter(cfg, outs, seed: int = 1, scale: float = 10.0):
+    """A random drafter whose Markov head favours, after each token, the token that most often followed it in
+    ``outs`` (greedy outputs of the model): its drafts are often right and often wrong."""
+    d = init_drafter_params(cfg, seed=seed)
+    mk = d["mtp"][cfg.num_nextn_predict_layers - 1]["markov_head"]
+    u = np.random.default_rng(seed).standard_normal((cfg.vocab_size, cfg.dspark_markov_rank)).astype(np.float32)
+    u = scale * u / np.linalg.norm(u, axis=1, keepdims=True)
+    follows: dict[int, dict[int, int]] = {}
+    for o in outs:
+        ids = o["ids"]
+        for a, b in zip(ids, ids[1:]):
+            follows.setdefault(a, {}).setdefault(b, 0)
+            follows[a][b] += 1
+    head = np.zeros_like(u)
+    for a, nxt in follows.items():
+        head[max(nxt, key=nxt.get)] += u[a]
+    mk["embed"]["weight"][...] = to_device(u)
+    mk["head"]["weight"][...] = to_device(head)
+    return d
+
+
+def spec_setup(cfg, params):
+    """(prompts, params, plain greedy outputs, the drafter, the one-device speculative outputs): greedy requests,
+    every other one with its own seed (a forced draft count; the rest verify the budget's drafts)."""
+    rng = np.random.default_rng(13)
+    prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, int(n)).tolist()} for n in rng.integers(3, 30, 7)]
+    sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, seed=None if i % 2 else 50 + i)
+           for i in range(len(prompts))]
+    plain = summary(LLM(config=cfg, params=params, speculation="none", **SETTINGS).generate(prompts, sps,
+                                                                                            use_tqdm=False))
+    drafter = agreeing_drafter(cfg, plain)
+    one = LLM(config=cfg, params=params, drafter=drafter, **SPEC_SETTINGS)
+    want = summary(one.generate(prompts, sps, use_tqdm=False))
+    return prompts, sps, plain, drafter, want, one.stats
+
+
+def spec_row(cfg, params, preset: str, setup) -> None:
+    start = time.perf_counter()
+    prompts, sps, plain, drafter, want, one_stats = setup
+    llm = LLM(config=cfg, params=params, drafter=drafter, sharding=preset, **SPEC_SETTINGS)
+    traces = llm.runner.traces
+    got = summary(llm.generate(prompts, sps, use_tqdm=False))
+    llm.engine.async_scheduling = False  # the synchronous loop: the same prompts again
+    again = summary(llm.generate(prompts, sps, use_tqdm=False))
+    stats = llm.stats
+    try:
+        LLM(config=cfg, params=params, drafter=drafter, sharding=preset,
+            **{**SPEC_SETTINGS, "num_speculative_tokens": cfg.dspark_block_size + 1})
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    keys = ("spec_drafts_verified", "spec_drafts_accepted", "spec_verify_rows", "spec_steps", "spec_drafting_steps",
+            "dp_rank_spec_drafts_verified", "dp_rank_spec_accepted", "dp_rank_requests")
+    print(json.dumps({"check": f"spec_{preset}", **compare(want, got), "vs_plain": compare(plain, got),
+                      "sync_vs_plain": compare(plain, again), "speculation": stats["speculation"],
+                      "one_device_verified": one_stats["spec_drafts_verified"],
+                      "one_device_accepted": one_stats["spec_drafts_accepted"],
+                      **{k: stats[k] for k in keys}, "bad_budget": bad, "recompiled": llm.runner.traces != traces,
+                      "unfinished": llm.engine.has_unfinished, "seconds": round(time.perf_counter() - start, 2)}),
+          flush=True)
+
+
 def main(presets: list[str]) -> None:
     assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.device_count()}"
     cfg, params, _ = model_and_inputs()
@@ -99,6 +168,9 @@ def main(presets: list[str]) -> None:
     for preset in presets:
         prefix_row(cfg, params, preset, sp)
         decoder_row(cfg, params, preset, sp)
+    setup = spec_setup(cfg, params)
+    for preset in presets:
+        spec_row(cfg, params, preset, setup)
     print(json.dumps({"check": "done"}), flush=True)
 
 
