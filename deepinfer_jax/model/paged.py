@@ -180,6 +180,29 @@ def _compress(attn, x_1Nd, cache, layer, m: _Step):
     return latent, {**cache["comp"], layer: new_state}
 
 
+def source_entries(layer: int, glob: dict, tables, r: int, m: _Step, shared: _Shared) -> _Shared:
+    """After KV-source ``layer`` wrote its compressed entries into ``glob`` (its ``cache["global"]`` part):
+    the ``_Shared`` its readers use, i.e. the pool and every table entry's index keys, decoded [R, E, d]."""
+    bs, n_blocks = m.cache_cfg.block_size, m.cache_cfg.num_blocks
+    e = tables.shape[1] * bs // r
+    jj = jnp.arange(e)
+    where_e = (jnp.clip(tables[:, (jj * r) // bs], 0, n_blocks - 1),
+               jnp.broadcast_to(jnp.mod(jj * r, bs) // r, (tables.shape[0], e)))
+    return _Shared(source=layer, pool_kv=glob["kv"],
+                   index_RED=kc.decode(kc.gather(glob["index"], where_e), "mxfp4", m.quantized),
+                   candidates=shared.candidates)
+
+
+def select_entries(attn, shared: _Shared, x_1Nd, q_lat, angles, r: int, m: _Step) -> _Shared:
+    """The lightning indexer's top-k over the entries each token may see (a FULL or REINDEX layer)."""
+    index_keys = shared.index_RED
+    n_visible = (m.pos + 1) // r
+    visible = jnp.arange(index_keys.shape[1]) < n_visible[:, None]
+    scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
+    topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
+    return shared._replace(topk=topk, candidates=candidates)
+
+
 def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
     """One layer's CSA2 attention on the flat batch: write SWA rows / entries, select, attend."""
     angles = attn.angles(m.pos)[None]
@@ -208,21 +231,9 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg):
             glob = cache["global"][layer]
             glob = {"kv": kc.scatter(glob["kv"], at, g_stored), "index": kc.scatter(glob["index"], at, i_stored)}
             cache = {**cache, "comp": comp, "global": {**cache["global"], layer: glob}}
-            e = tables.shape[1] * bs // r
-            jj = jnp.arange(e)
-            where_e = (jnp.clip(tables[:, (jj * r) // bs], 0, n_blocks - 1),
-                       jnp.broadcast_to(jnp.mod(jj * r, bs) // r, (tables.shape[0], e)))
-            shared = _Shared(source=layer, pool_kv=glob["kv"],
-                             index_RED=kc.decode(kc.gather(glob["index"], where_e), "mxfp4", m.quantized),
-                             candidates=shared.candidates)
+            shared = source_entries(layer, glob, tables, r, m, shared)
         if attn.role in (LayerRole.FULL, LayerRole.REINDEX):
-            index_keys = shared.index_RED
-            e = index_keys.shape[1]
-            n_visible = (m.pos + 1) // r
-            visible = jnp.arange(e) < n_visible[:, None]
-            scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
-            topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
-            shared = shared._replace(topk=topk, candidates=candidates)
+            shared = select_entries(attn, shared, x_1Nd, q_lat, angles, r, m)
         # only the selected entries are decoded, never the whole pool (``model.selected_entries``)
         o = attend_step(q[0], keys, valid, attn.attn_sink[...],
                         *compact_selection(shared.pool_kv, "nvfp4", m.quantized, tables, m.inp.token_req,
@@ -254,15 +265,7 @@ def paged_step(params: nnx.State, cfg, cache_cfg, cache: dict, inputs: StepInput
     model = nnx.merge(_graphdef(cfg), params)
     inp = inputs
     n = inp.token_ids.shape[0]
-    slots = cache_cfg.max_requests
-    zero = jnp.zeros(n, jnp.int32)
-    m = _Step(inp=inp, pos=inp.positions, idx=jnp.arange(n), ctx=inp.ctx_len[inp.token_req],
-              new=inp.new_len[inp.token_req], slot=jnp.clip(inp.req_slot[inp.token_req], 0, slots - 1),
-              valid=inp.token_valid, quantized=cache_cfg.storage == "quantized",
-              floor=zero if inp.window_floor is None else inp.window_floor[inp.token_req],
-              write_from=zero if inp.global_write_from is None else inp.global_write_from[inp.token_req],
-              cache_cfg=_CacheGeometry(cache_cfg.block_size, cache_cfg.num_blocks, cache_cfg.max_requests,
-                                       cache_cfg.ring_capacity(cfg)))
+    m = step_meta(cfg, cache_cfg, inp)
     x = model.embed(inp.token_ids)[None]
     streams = jnp.broadcast_to(x[:, :, None, :], (1, n, cfg.hc_mult, cfg.hidden_size))
     pre = jnp.zeros((1, n, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
@@ -311,6 +314,20 @@ def _to_decoder_rows(m: _Step, streams, pre, shared: _Shared, inp: StepInputs):
     shared = shared._replace(topk=None if shared.topk is None else shared.topk[rows],
                              candidates=None if shared.candidates is None else shared.candidates[rows])
     return m, streams[:, rows], pre[:, rows], shared
+
+
+def step_meta(cfg, cache_cfg, inp: StepInputs) -> _Step:
+    """The per-token metadata of a flat step (positions, contexts, slots, floors) from its inputs."""
+    n = inp.token_ids.shape[0]
+    zero = jnp.zeros(n, jnp.int32)
+    slots = cache_cfg.max_requests
+    return _Step(inp=inp, pos=inp.positions, idx=jnp.arange(n), ctx=inp.ctx_len[inp.token_req],
+                 new=inp.new_len[inp.token_req], slot=jnp.clip(inp.req_slot[inp.token_req], 0, slots - 1),
+                 valid=inp.token_valid, quantized=cache_cfg.storage == "quantized",
+                 floor=zero if inp.window_floor is None else inp.window_floor[inp.token_req],
+                 write_from=zero if inp.global_write_from is None else inp.global_write_from[inp.token_req],
+                 cache_cfg=_CacheGeometry(cache_cfg.block_size, cache_cfg.num_blocks, cache_cfg.max_requests,
+                                          cache_cfg.ring_capacity(cfg)))
 
 
 class _CacheGeometry(NamedTuple):

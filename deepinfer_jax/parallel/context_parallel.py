@@ -46,7 +46,8 @@ from deepinfer_jax.model import mhc
 from deepinfer_jax.model.attention import attend_step
 from deepinfer_jax.model.deepseek_v41 import _graphdef
 from deepinfer_jax.model.layers import matmul_t
-from deepinfer_jax.model.paged import StepInputs, _CacheGeometry, _engram_history, _engram_rows, _Shared, _Step, _store
+from deepinfer_jax.model.paged import (StepInputs, _engram_history, _engram_rows, _Shared, _Step, _store, select_entries,
+                                       source_entries, step_meta)
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
 from deepinfer_jax.model.selected_entries import compact_selection
 from deepinfer_jax.parallel.cp_layout import CPLayout
@@ -221,38 +222,13 @@ def _attention_step(attn, layer, x_1Nd, shared: _Shared, cache, m: _Step, cfg, c
         glob = cache["global"][layer]
         glob = {"kv": kc.scatter(glob["kv"], where, got["kv"]), "index": kc.scatter(glob["index"], where, got["index"])}
         cache = {**cache, "global": {**cache["global"], layer: glob}}
-        e = tables.shape[1] * bs // r
-        jj = jnp.arange(e)
-        where_e = (jnp.clip(tables[:, (jj * r) // bs], 0, n_blocks - 1),
-                   jnp.broadcast_to(jnp.mod(jj * r, bs) // r, (tables.shape[0], e)))
-        shared = _Shared(source=layer, pool_kv=glob["kv"],
-                         index_RED=kc.decode(kc.gather(glob["index"], where_e), "mxfp4", m.quantized),
-                         candidates=shared.candidates)
+        shared = source_entries(layer, glob, tables, r, m, shared)
     if attn.role in (LayerRole.FULL, LayerRole.REINDEX):
-        index_keys = shared.index_RED
-        n_visible = (m.pos + 1) // r
-        visible = jnp.arange(index_keys.shape[1]) < n_visible[:, None]
-        scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
-        topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
-        shared = shared._replace(topk=topk, candidates=candidates)
+        shared = select_entries(attn, shared, x_1Nd, q_lat, angles, r, m)
     o = attend_step(q[0], keys, valid, attn.attn_sink[...],
                     *compact_selection(shared.pool_kv, "nvfp4", m.quantized, tables, m.inp.token_req, shared.topk,
                                        kv_new.dtype))
     return attn.output(o[None], angles), shared, cache
-
-
-def _flat_step(cfg, cache_cfg, inp: StepInputs) -> _Step:
-    """The paged step's per-token metadata of flat inputs (as ``paged_step`` builds it)."""
-    n = inp.token_ids.shape[0]
-    zero = jnp.zeros(n, jnp.int32)
-    slots = cache_cfg.max_requests
-    return _Step(inp=inp, pos=inp.positions, idx=jnp.arange(n), ctx=inp.ctx_len[inp.token_req],
-                 new=inp.new_len[inp.token_req], slot=jnp.clip(inp.req_slot[inp.token_req], 0, slots - 1),
-                 valid=inp.token_valid, quantized=cache_cfg.storage == "quantized",
-                 floor=zero if inp.window_floor is None else inp.window_floor[inp.token_req],
-                 write_from=zero if inp.global_write_from is None else inp.global_write_from[inp.token_req],
-                 cache_cfg=_CacheGeometry(cache_cfg.block_size, cache_cfg.num_blocks, cache_cfg.max_requests,
-                                          cache_cfg.ring_capacity(cfg)))
 
 
 def _rank_body(cfg, cache_cfg, axis, cp, log, params, cache, inp: StepInputs, token_ids, positions, valid, rows,
@@ -266,7 +242,7 @@ def _rank_body(cfg, cache_cfg, axis, cp, log, params, cache, inp: StepInputs, to
     own_start = piece_start[pieces][jnp.arange(n) // (n // 2)]
     local = inp._replace(token_ids=token_ids, positions=positions, token_req=jnp.zeros(n, jnp.int32),
                          token_valid=valid, logit_rows=jnp.zeros(1, jnp.int32))
-    m = _flat_step(cfg, cache_cfg, local)
+    m = step_meta(cfg, cache_cfg, local)
     c = _CP(axis=axis, cp=cp, rank=rank, tail_at=tail_at, piece_start=piece_start, piece_end=piece_end,
             own_start=own_start, own_pieces=pieces, log=log)
     x = model.embed(token_ids)[None]
@@ -290,7 +266,7 @@ def cp_prefill(params, cfg, cache_cfg, cache, inputs: StepInputs, lay: CPInputs,
     by ``lay``. ``cfg``, ``cache_cfg``, ``mesh``, ``axis`` are static under jit; donate ``cache``."""
     cp = mesh.shape[axis]
     model = nnx.merge(_graphdef(cfg), params)
-    m_flat = _flat_step(cfg, cache_cfg, inputs)
+    m_flat = step_meta(cfg, cache_cfg, inputs)
     flat = lay.flat.reshape(-1)
     token_ids = inputs.token_ids[flat].reshape(lay.flat.shape)
     rows = None
