@@ -26,7 +26,9 @@ from deepinfer_jax.parallel.context_parallel import cp_inputs, cp_prefill, tail_
 from deepinfer_jax.parallel.cp_layout import cp_align, cp_layout
 from deepinfer_jax.runner.step_batch import ChunkSpec, build_inputs
 
-BLOCK, BLOCKS_PER_REQ = 16, 40
+#: the engine row's cache (``ENGINE``: 2 sequences of 512 tokens, dequantized), so that its CP program is the cp4
+#: cases' one (same cache config and padded shapes: a compilation cache hit, not a second compile)
+BLOCK, BLOCKS_PER_REQ, MAX_REQUESTS = 16, 32, 2
 DECODE = 4
 #: (name, cp, prefix tokens run by the ordinary step first, CP chunk length, storage)
 CASES = [  # the cp4 dequantized cases share one compiled CP program (pieces padded to 64, the chunk to 512)
@@ -116,7 +118,7 @@ def main():
         if only and name not in only or "engine_only" in only:
             continue
         t0 = time.perf_counter()
-        cache_cfg = CacheConfig(block_size=BLOCK, num_blocks=BLOCKS_PER_REQ + 2, max_requests=2,
+        cache_cfg = CacheConfig(block_size=BLOCK, num_blocks=MAX_REQUESTS * BLOCKS_PER_REQ, max_requests=MAX_REQUESTS,
                                 max_blocks_per_request=BLOCKS_PER_REQ, storage=storage)
         rng = np.random.default_rng(length)
         ids = rng.integers(3, cfg.vocab_size, prefix + length + DECODE)
@@ -125,13 +127,16 @@ def main():
         table = list(range(1, 1 + BLOCKS_PER_REQ))
         mesh = Mesh(np.array(devices[:cp]), ("cp",))
         repl = NamedSharding(mesh, PartitionSpec())
-        ref = init_cache(cfg, cache_cfg)
+        # every one-device argument committed to the first device, as the continuation's cache below: one
+        # compiled step (an uncommitted first call lowers, and compiles, a second program for the same shapes)
+        params0 = jax.device_put(params, devices[0])
+        ref = jax.device_put(init_cache(cfg, cache_cfg), devices[0])
         if prefix:
-            _, ref = step(params, cfg, cache_cfg, ref, flat_inputs(cfg, cache_cfg, ids[:prefix], 0, table))
+            _, ref = step(params0, cfg, cache_cfg, ref, flat_inputs(cfg, cache_cfg, ids[:prefix], 0, table))
         cp_cache = jax.device_put(jax.tree.map(np.asarray, ref), repl)
         cp_params = jax.device_put(params, repl)
         inp = flat_inputs(cfg, cache_cfg, ids[prefix : prefix + length], prefix, table)
-        want, ref = step(params, cfg, cache_cfg, ref, inp)
+        want, ref = step(params0, cfg, cache_cfg, ref, inp)
         lay = cp_layout(prefix, length, cp, align=cp_align(cfg), tail_rows=tail_rows_for(cfg, cache_cfg), multiple=64)
         lin = cp_inputs(lay)
         shard = NamedSharding(mesh, PartitionSpec("cp"))
@@ -150,8 +155,8 @@ def main():
         seq_r, seq_c = [int(want[0].argmax())], [int(got[0].argmax())]
         pos = prefix + length
         for _ in range(DECODE - 1):
-            lr, ref = step(params, cfg, cache_cfg, ref, flat_inputs(cfg, cache_cfg, [seq_r[-1]], pos, table))
-            lc, cont = step(params, cfg, cache_cfg, cont, flat_inputs(cfg, cache_cfg, [seq_c[-1]], pos, table))
+            lr, ref = step(params0, cfg, cache_cfg, ref, flat_inputs(cfg, cache_cfg, [seq_r[-1]], pos, table))
+            lc, cont = step(params0, cfg, cache_cfg, cont, flat_inputs(cfg, cache_cfg, [seq_c[-1]], pos, table))
             seq_r.append(int(np.asarray(lr)[0].argmax()))
             seq_c.append(int(np.asarray(lc)[0].argmax()))
             pos += 1
@@ -167,13 +172,14 @@ def main():
     print(json.dumps({"check": "done"}), flush=True)
 
 
-ENGINE = {"max_num_seqs": 2, "max_num_batched_tokens": 64, "token_buckets": (64,), "request_buckets": (2,),
-          "block_size": BLOCK, "max_model_len": 512, "chunking": "tokens", "max_logprobs": 1, "use_tqdm": False,
-          "enable_prefix_caching": True}
+ENGINE = {"max_num_seqs": MAX_REQUESTS, "max_num_batched_tokens": 64, "token_buckets": (64,), "request_buckets": (2,),
+          "block_size": BLOCK, "max_model_len": BLOCK * BLOCKS_PER_REQ, "chunking": "tokens", "max_logprobs": 1,
+          "use_tqdm": False, "enable_prefix_caching": True, "kv_storage": "dequantized"}
 
 
 def engine_row(cfg, params):
-    """``LLM(sharding="cpu-cp4", cp_threshold=128)`` against the one-device engine: a 300-token prompt
+    """``LLM(sharding="cpu-cp4", cp_threshold=128)`` against the one-device engine (dequantized storage, as the cp4
+    cases: the CP program is theirs, from the compilation cache; quantized CP is the cp8 case): a 300-token prompt
     prefills by CP (alone in its step), two short ones as ordinary chunks, then the long prompt again (a
     prefix hit on the blocks the CP prefill wrote; what is left is short: ordinary chunks)."""
     from deepinfer_jax import LLM, SamplingParams
