@@ -20,7 +20,7 @@ for a quantized checkpoint on one device; ``"float32"`` / ``"bfloat16"`` decode 
 
 ``LLM(..., sharding="cpu-dp2-ep4")`` (a preset name, a preset ``.toml`` path or a ``ShardingPreset``)
 runs over a device mesh: parameters placed by the sharding rules (routed experts over ``ep``), one
-KV cache and scheduler per attention DP rank (``engine.dp_core.DPEngineCore``,
+KV cache and scheduler per attention DP rank (``engine.core.EngineCore``,
 ``runner.ModelRunner`` over the mesh); ``EngineConfig.sharding`` says what it needs and refuses.
 """
 
@@ -47,7 +47,6 @@ from deepinfer_jax.config import CacheConfig, EngineConfig, ModelConfig, yoco_ke
 from deepinfer_jax.config.shipped import shipped
 from deepinfer_jax.engine import EngineCore, RequestError, RequestOutput, SamplingParams, Scheduler
 from deepinfer_jax.engine.cost_model import CostModel
-from deepinfer_jax.engine.dp_core import DPEngineCore
 from deepinfer_jax.engine.profiling import profile_cost_model, profile_step_times
 from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
 from deepinfer_jax.runner import Buckets, ModelRunner, SampleSpec
@@ -248,15 +247,11 @@ class LLM:
         structured = StructuredOutputs(LLGuidanceBackend(self.tokenizer, cfg.vocab_size, cfg.eos_token_id),
                                        overlap=ec.structured_output_overlap)
         spec = self._spec_decoding(k, use_tqdm) if k else None
-        if self.sharding_preset is not None and not self.sharding_preset.context_parallel:  # a domain per DP rank
-            self.engine = DPEngineCore(self.runner, [make_scheduler() for _ in range(self.sharding_preset.dp_size)],
-                                       tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
-                                       async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
-                                       structured=structured, spec=spec)
-        else:
-            self.engine = EngineCore(self.runner, make_scheduler(), tokenizer=self.tokenizer,
-                                     eos_token_id=cfg.eos_token_id, seed=ec.seed, async_scheduling=ec.async_scheduling,
-                                     max_logprobs=ec.max_logprobs, structured=structured, spec=spec)
+        # one scheduling domain per attention DP rank (one device, and a context-parallel preset: one)
+        self.engine = EngineCore(self.runner, [make_scheduler() for _ in range(getattr(self.runner, "dp_size", 1))],
+                                 tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
+                                 async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
+                                 structured=structured, spec=spec)
         self.ready_s = time.perf_counter() - t_start
 
     def _cp_threshold(self, ec: EngineConfig) -> int:
@@ -554,7 +549,7 @@ class LLM:
                 "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
                 "speculation": self.speculation,
                 **(self.engine.spec.summary() if getattr(self.engine, "spec", None) is not None else {}),
-                **(self._dp_stats() if isinstance(self.engine, DPEngineCore) else {}),
+                **(self._dp_stats() if self.mesh is not None and not self.sharding_preset.context_parallel else {}),
                 "prefix": self._prefix_stats()}
 
     def _prefix_stats(self) -> dict | None:
@@ -573,7 +568,7 @@ class LLM:
     def _dp_stats(self) -> dict:
         """Per DP rank: requests routed to it, tokens it computed, steps it ran only padding, prefix-cache hits
         (requests admitted with a hit; ``prefix`` sums every rank's counters); with the EP MoE the
-        ``eplb_*`` keys (``DPEngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one); with
+        ``eplb_*`` keys (``EngineCore.eplb_stats``: rebalances, moe_lb per layer now and around the last one); with
         speculation the drafts each rank verified and accepted (``dp_rank_spec_drafts_verified`` /
         ``dp_rank_spec_accepted``, summing to ``spec_drafts_verified`` / ``spec_drafts_accepted``)."""
         e = self.engine

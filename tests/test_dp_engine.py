@@ -23,7 +23,7 @@ from sharded import finish_processes, run_checks, start_processes
 from deepinfer_jax.cache.block_store import HostBlockStore
 from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
-from deepinfer_jax.engine.dp_core import DPEngineCore
+from deepinfer_jax.engine.core import EngineCore
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 
 PRESETS = ("cpu-dp2-ep4", "cpu-dp1-ep8", "cpu-dp8-ep1")
@@ -112,7 +112,7 @@ class FakeDPRunner:
 def _engine(dp=3, slots=2, async_scheduling=True, **sched):
     kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": slots, "max_model_len": 32,
           "max_num_batched_tokens": 8, **sched}
-    return DPEngineCore(FakeDPRunner(dp, slots), [Scheduler(**kw) for _ in range(dp)], tokenizer=None,
+    return EngineCore(FakeDPRunner(dp, slots), [Scheduler(**kw) for _ in range(dp)], tokenizer=None,
                         eos_token_id=VOCAB - 1, async_scheduling=async_scheduling)
 
 
@@ -186,7 +186,7 @@ def test_dp_core_cost_chunking_plans_every_rank_and_fits_the_slowest():
     with pytest.raises(ValueError, match="chunking"):
         kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
               "max_num_batched_tokens": 8, "chunking": "cost", "step_budget_ns": 6000}
-        DPEngineCore(FakeDPRunner(2, 2), [Scheduler(cost_model=CostModel((0, 1, 0, 0)), **kw) for _ in range(2)],
+        EngineCore(FakeDPRunner(2, 2), [Scheduler(cost_model=CostModel((0, 1, 0, 0)), **kw) for _ in range(2)],
                      tokenizer=None, eos_token_id=0)
 
 
@@ -203,7 +203,7 @@ def test_dp_core_refuses_what_it_does_not_support():
     assert core.rank_of(rid) == 1 and core.rank_requests[1] >= 1
     core.abort(rid)
     with pytest.raises(ValueError, match="schedulers"):
-        DPEngineCore(FakeDPRunner(2, 2), [], tokenizer=None, eos_token_id=0)
+        EngineCore(FakeDPRunner(2, 2), [], tokenizer=None, eos_token_id=0)
     kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
           "max_num_batched_tokens": 8}
     mixed = {"enable_prefix_caching": [{"prefix_extra": b"model"}, {}],  # prefix caching on some ranks only
@@ -212,7 +212,31 @@ def test_dp_core_refuses_what_it_does_not_support():
              "decoder_replay": [{"decoder_keep": 4}, {}]}
     for field, ranks in mixed.items():
         with pytest.raises(ValueError, match=field):
-            DPEngineCore(FakeDPRunner(2, 2), [Scheduler(**kw, **r) for r in ranks], tokenizer=None, eos_token_id=0)
+            EngineCore(FakeDPRunner(2, 2), [Scheduler(**kw, **r) for r in ranks], tokenizer=None, eos_token_id=0)
+
+
+def test_one_device_is_one_rank_of_the_same_core():
+    """One ``EngineCore`` for every layout: a one-device runner gets the flat chunk list, and the core keeps the
+    same per-rank bookkeeping with one rank; a scheduler count that is not the runner's DP size is refused."""
+    from tests.test_scheduler import FakeRunner
+
+    kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
+          "max_num_batched_tokens": 8}
+    runner = FakeRunner(4)
+    core = EngineCore(runner, Scheduler(**kw), tokenizer=None, eos_token_id=0)
+    assert core.schedulers == [core.scheduler]
+    rid = core.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert core.rank_of(rid) == 0 and core.rank_requests == [1] and core.rank_args(core.requests[rid]) == {}
+    while core.has_unfinished:
+        core.step()
+    assert core.rank_of(rid) is None and core.requests[rid].finished
+    assert core.rank_tokens == [core.stats.scheduled_tokens] and core.rank_idle_steps == [0]
+    assert all(not isinstance(chunks[0], list) for chunks in runner.steps)  # flat lists, never one per rank
+    for schedulers in ([Scheduler(**kw), Scheduler(**kw)], []):
+        with pytest.raises(ValueError, match="schedulers"):
+            EngineCore(FakeRunner(4), schedulers, tokenizer=None, eos_token_id=0)
+    with pytest.raises(ValueError, match="schedulers"):  # a DP runner needs one scheduler per rank
+        EngineCore(FakeDPRunner(3, 2), Scheduler(**kw), tokenizer=None, eos_token_id=0)
 
 
 class FakeCopyRunner(FakeDPRunner):
@@ -247,7 +271,7 @@ class FakeCopyRunner(FakeDPRunner):
 def test_dp_core_prefix_cache_copies_target_the_requests_rank_and_hit_across_ranks():
     kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": 2, "max_model_len": 32,
           "max_num_batched_tokens": 8, "prefix_extra": b"model", "ring_rows": 4, "host_store": HostBlockStore()}
-    core = DPEngineCore(FakeCopyRunner(2, 2), [Scheduler(**kw) for _ in range(2)], tokenizer=None, eos_token_id=0)
+    core = EngineCore(FakeCopyRunner(2, 2), [Scheduler(**kw) for _ in range(2)], tokenizer=None, eos_token_id=0)
     prompt = list(range(10, 24))  # 14 tokens: windows saved at 8 and 12, a repeat hits 8 (14 - ring 4, in blocks)
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
 

@@ -17,7 +17,7 @@ from the prompt when the handoff itself is unusable, else from the prompt and th
 ``forward_unfinished`` turns its unfinished requests into handoffs for other decode instances
 (scale-down): blocks to the store, the rest in the handoff, exactly as a prefill instance does.
 
-Either may be a DP engine (``LLM(..., sharding=preset)``, ``engine.dp_core.DPEngineCore``): a request's slot
+Either may be a DP engine (``LLM(..., sharding=preset)``: ``EngineCore`` with a scheduler per DP rank): a request's slot
 and blocks are read from, and a handoff admitted into, its rank's slice of the stacked cache
 (``ModelRunner.snapshot_slot`` / ``restore_slot`` with ``rank=``); the slot state has the one-device layout, so a
 one-device prefill instance hands over to a DP decode instance and back. ``DecodeInstance.add(rank=)`` runs a

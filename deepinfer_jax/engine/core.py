@@ -26,6 +26,18 @@ order, stopping at the first that ends the request. Structured-output requests v
 
 Requests are validated when added (``RequestError`` naming the field, including grammars that do
 not compile); nothing invalid reaches the scheduler, so a bad request never disturbs the running ones.
+
+Attention data parallelism (engine.md §3-4): one device is one rank; over a mesh every DP rank is its own
+scheduling domain (its own ``Scheduler``: waiting queue, running list, block pool, slots over its shard of the
+cache), and the same loop schedules every rank, hands the runner one chunk list per rank (all ranks step
+together in one program; an idle rank runs padding) and reconciles as on one device. A new request joins the
+rank ``dp_router.pick_rank`` chooses (request count and KV length) and stays there until it ends; its cache
+copies (prefix-cache uploads and windows, engine roles' slot state) go to its rank's slice. Prefix caching runs
+per rank over shared lower tiers (``engine.ranks.check_schedulers``); speculation plans every rank's verify rows
+on their own (``SpecDecoding.plan_ranks``); structured-output masks cover every rank's rows (``Forward.chunk_rows``);
+with ``chunking="cost"`` the slowest rank sets the step (``engine.ranks.merge_plans``). When the runner runs the
+expert-parallel MoE, each reconciled step's slot counts feed the EPLB loop, and a due rebalance moves the expert
+weights before the next step is dispatched (steps in flight finish on the old placement; nothing is dropped).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import dataclasses
 import itertools
 import operator
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,7 +55,9 @@ from tokenizers import Tokenizer
 
 from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
+from deepinfer_jax.engine.ranks import check_schedulers, eplb_stats, make_rebalancer, merge_plans
 from deepinfer_jax.engine.request import AdmitState, Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
@@ -84,14 +99,34 @@ class _InFlight:
     crossings: dict = field(default_factory=dict)  # verify chunk index -> window copy if it crossed a block
     started: float = 0.0  # when the step() that scheduled it began
     compiled: bool = False  # a compilation ran while it was in flight: its time says nothing of the step
+    forward: object = None  # the runner's Forward, when the EPLB loop reads its slot counts
+    ranks: list = field(default_factory=list)  # each chunk's DP rank
 
 
 class EngineCore:
-    """Owns the scheduler, the runner and the requests of one engine instance."""
+    """Owns the schedulers (one per DP rank), the runner and the requests of one engine instance.
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, tokenizer: Tokenizer | None, eos_token_id: int,
-                 seed: int = 0, async_scheduling: bool = True, max_logprobs: int = 5,
-                 structured: StructuredOutputs | None = None, spec: SpecDecoding | None = None) -> None:
+    ``scheduler``: one ``Scheduler`` (one device), or one per DP rank of the runner's mesh (``runner.dp_size``),
+    all with the same settings. ``schedulers[d]`` schedules rank d; ``scheduler`` is rank 0's, read for what every
+    rank shares (``max_model_len``, ``block_size``). Per rank: ``rank_requests[d]`` requests routed to it,
+    ``rank_tokens[d]`` tokens it computed, ``rank_idle_steps[d]`` steps it ran only padding, and with ``spec``
+    ``rank_spec_verified[d]`` / ``rank_spec_accepted[d]`` the drafts its verify rows verified and accepted.
+    ``eplb``: the EPLB loop (None without the EP MoE); its ``placement`` is the one the next step runs with.
+    """
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler | Sequence[Scheduler], *,
+                 tokenizer: Tokenizer | None, eos_token_id: int, seed: int = 0, async_scheduling: bool = True,
+                 max_logprobs: int = 5, structured: StructuredOutputs | None = None,
+                 spec: SpecDecoding | None = None) -> None:
+        dp = getattr(runner, "dp_size", 1)
+        self.schedulers = check_schedulers([scheduler] if isinstance(scheduler, Scheduler) else scheduler, dp)
+        scheduler = self.schedulers[0]
+        # over a mesh (even of one DP rank) the runner takes one chunk list per rank; one device: the list itself
+        self._per_rank = getattr(runner, "mesh", None) is not None or dp > 1
+        self._rank: dict[str, int] = {}  # unfinished request id -> its DP rank
+        self.rank_requests, self.rank_tokens, self.rank_idle_steps = [0] * dp, [0] * dp, [0] * dp
+        self.rank_spec_verified, self.rank_spec_accepted = [0] * dp, [0] * dp
+        self.eplb = make_rebalancer(runner)
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.structured = structured
         self.spec = spec
@@ -162,9 +197,22 @@ class EngineCore:
     def add_request(self, prompt_ids, params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, arrival: float | None = None) -> str:
         req = self._new_request(self.validate(prompt_ids, params, request_id), params, prompt, request_id, arrival)
-        self.scheduler.add(req)
-        self._prefetch(req, self.scheduler)
+        self._enqueue(req, None)
+        self._prefetch(req, self._scheduler_of(req))
         return req.request_id
+
+    def loads(self) -> list[RankLoad]:
+        """Every rank's unfinished requests and their total tokens (the DP router's view)."""
+        return [RankLoad(len(s.waiting) + len(s.running), sum(r.num_tokens for r in (*s.waiting, *s.running)))
+                for s in self.schedulers]
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The DP rank of an unfinished request (one device: 0; None once it ended)."""
+        return self._rank.get(request_id)
+
+    def eplb_stats(self) -> dict:
+        """EPLB counters (``engine.ranks.eplb_stats``; empty without the EP MoE)."""
+        return eplb_stats(self.eplb)
 
     def _prefetch(self, req: Request, scheduler: Scheduler) -> None:
         """Start reading a new request's blocks from the file store while earlier work runs."""
@@ -173,16 +221,16 @@ class EngineCore:
             self._io_futures.append(self._io.submit(prefix.prefetch, list(prefix.digests(req))))
 
     def _scheduler_of(self, r: Request) -> Scheduler:
-        """The scheduler an unfinished request runs under (``DPEngineCore``: its DP rank's)."""
-        return self.scheduler
+        """The scheduler an unfinished request runs under: its DP rank's."""
+        return self.schedulers[self._rank.get(r.request_id, 0)]
 
     def rank_args(self, r: Request) -> dict:
         """The runner's cache-copy arguments naming an unfinished request's DP rank (one device: none)."""
-        return {}
+        return {"rank": self._rank.get(r.request_id, 0)} if self._per_rank else {}
 
     def _ranks(self) -> list[tuple[Scheduler, dict]]:
-        """(scheduler, the runner's cache-copy arguments) of every rank (one device: the one scheduler)."""
-        return [(self.scheduler, {})]
+        """(scheduler, the runner's cache-copy arguments) of every rank."""
+        return [(s, {"rank": d} if self._per_rank else {}) for d, s in enumerate(self.schedulers)]
 
     def add_continuation(self, prompt_ids, output_ids, params: SamplingParams, *, prompt: str | None = None,
                          request_id: str | None = None, admit: AdmitState | None = None,
@@ -193,7 +241,7 @@ class EngineCore:
         (its KV and slot state up to ``admit.length = len(prompt) + len(output) - 1``) it is admitted
         there and computes nothing before; without, it recomputes its tokens (the prefix cache may
         hit). ``logprobs`` / ``prompt_logprobs``: what the earlier engine reported for them. ``rank``: the DP
-        rank to run it on (``DPEngineCore``; None: the DP router picks; one device: None or 0)."""
+        rank to run it on (None: the DP router picks; one device: None or 0)."""
         self.check_rank(rank)
         if not output_ids:
             raise RequestError("output_ids", "a continuation needs at least one generated token")
@@ -225,8 +273,12 @@ class EngineCore:
             raise RequestError("rank", f"a DP rank in [0, {ranks}) or None, got {rank!r}")
 
     def _enqueue(self, req: Request, rank: int | None) -> None:
-        """Schedule a new continuation (``DPEngineCore``: on ``rank``, or the one the DP router picks)."""
-        self.scheduler.add(req)
+        """Schedule a new request on ``rank``, or on the rank the DP router picks (one device: rank 0)."""
+        if rank is None:
+            rank = pick_rank(self.loads(), req.num_tokens) if len(self.schedulers) > 1 else 0
+        self._rank[req.request_id] = rank
+        self.rank_requests[rank] += 1
+        self.schedulers[rank].add(req)
 
     def _new_request(self, ids: list[int], params: SamplingParams, prompt: str | None, request_id: str | None,
                      arrival: float | None) -> Request:
@@ -278,55 +330,59 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._inflight is not None
+        return any(s.has_unfinished for s in self.schedulers) or self._inflight is not None
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that finished in it."""
+        """One iteration over every rank; returns the requests that finished in it."""
         t0 = time.perf_counter()
         host0 = self.stats.reconcile_s + self.stats.wait_s
         traces0 = getattr(self.runner, "traces", 0)
-        plan = self.scheduler.schedule()
+        plans = [s.schedule() for s in self.schedulers]
+        plan = merge_plans(plans)
         prev = self._inflight if self.async_scheduling else None
         self._inflight = None
         finished: list[RequestOutput] = []
         launched = None
         if plan.chunks:
-            self._restore_states(plan.chunks)
-            vplan = caps = planned = None
-            if self.spec is not None:
-                vplan, caps, planned, draft = self.spec.plan(plan.chunks, fresh=prev is None)
-            specs = [self._spec(c, None if caps is None else caps.get(i)) for i, c in enumerate(plan.chunks)]
+            self._restore_states(plan.chunks)  # prefix-cache hits: uploads and windows into their rank's slots
+            budgets = drafts = planned = None
+            caps = [{} for _ in plans]
+            if self.spec is not None:  # every rank's verification planned on its own
+                budgets, caps, planned, drafts = self.spec.plan_ranks([p.chunks for p in plans], fresh=prev is None)
+            specs = [[self._spec(c, caps[d].get(i)) for i, c in enumerate(p.chunks)] for d, p in enumerate(plans)]
             rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
-                    if c.sample and c.request.matcher is not None]
+                    if c.sample and c.request.matcher is not None]  # (matcher, chunk index)
             masks = None
             if rows and not self.structured.overlap:  # the baseline: masks first, the device waits
                 if prev is not None:  # the masks need the previous step's tokens
                     finished += self._reconcile(prev)
                     prev = None
-                masks = self.structured.masks(Buckets.pick(self.runner.buckets.requests, len(specs), "requests"), rows)
-            if vplan is None:
-                fwd = self.runner.forward(specs)
-            else:
-                logprobs = any(c.request.logprobs is not None for c in plan.chunks)
-                fwd = self.runner.forward(specs, vplan.budget, draft, logprobs)
-                if getattr(fwd, "tokens", 0) > planned.tokens:  # ran padded in a larger (compiled) bucket:
-                    planned.tokens = fwd.tokens  # its time is that bucket's
-            launched = _InFlight(plan, None, time.perf_counter(), spec=planned, started=t0)
+                height, at = self._mask_rows(specs)
+                masks = self.structured.masks(height, [(m, at[i]) for m, i in rows])
+            fwd = self._dispatch(specs, budgets, drafts, plan)
+            if planned is not None:  # ran padded in a larger (compiled) bucket: its time is that bucket's
+                planned.tokens = max(planned.tokens, getattr(fwd, "tokens", 0))
+            launched = _InFlight(plan, None, time.perf_counter(), spec=planned, started=t0,
+                                 forward=fwd if self.eplb is not None else None,
+                                 ranks=[d for d, p in enumerate(plans) for _ in p.chunks])
             if getattr(self.runner, "traces", 0) != traces0 and prev is not None:  # a lazy bucket compiled beside it
                 prev.compiled = True
             if self.on_launch is not None:  # engine roles: the prefill instance copies final states here
                 self.on_launch(launched)
-            self._copies_behind(launched)
+            self._copies_behind(launched)  # window copies and block reads right behind the model step
+            row_of = (fwd.chunk_rows if self._per_rank else range(len(plan.chunks))) if rows else ()  # chunk -> row
             if rows and masks is None:
-                masks, done = self._masks_beside_reconcile(prev, lambda: self.structured.submit(fwd.rows, rows))
+                masks, done = self._masks_beside_reconcile(
+                    prev, lambda: self.structured.submit(fwd.rows, [(m, row_of[i]) for m, i in rows]))
                 finished += done
                 prev = None
             mask = None
             if rows:
                 mask, dead = masks
-                for i, reason in dead.items():
-                    r = plan.chunks[i].request
+                chunk_of_row = {row_of[i]: i for _, i in rows}
+                for row, reason in dead.items():
+                    r = plan.chunks[chunk_of_row[row]].request
                     if not r.finished:
                         r.finished_time = time.perf_counter()
                         self._finish(r, "error", reason)
@@ -338,7 +394,27 @@ class EngineCore:
                     prev.compiled = True
             self.stats.steps += 1
             self.stats.scheduled_tokens += plan.num_tokens
+            for d, p in enumerate(plans):
+                self.rank_tokens[d] += p.num_tokens
+                self.rank_idle_steps[d] += not p.chunks
         return self._close_step(plan, t0, host0, prev, launched, finished)
+
+    def _mask_rows(self, specs: list[list[ChunkSpec]]) -> tuple[int, list[int]]:
+        """(rows of the step's sampling program, each chunk's row in it) before the model step is dispatched."""
+        if self._per_rank:
+            return self.runner.sample_rows(specs)
+        return Buckets.pick(self.runner.buckets.requests, len(specs[0]), "requests"), list(range(len(specs[0])))
+
+    def _dispatch(self, specs: list[list[ChunkSpec]], budgets, drafts, plan: SchedulerOutput):
+        """The model step of every rank's chunks (one device: rank 0's list); with speculation each rank's budget
+        and drafting switch."""
+        chunks = specs if self._per_rank else specs[0]
+        if budgets is None:
+            return self.runner.forward(chunks)
+        logprobs = any(c.request.logprobs is not None for c in plan.chunks)
+        if self._per_rank:
+            return self.runner.forward(chunks, budgets, drafts, logprobs)
+        return self.runner.forward(chunks, budgets[0], drafts[0], logprobs)
 
     def _close_step(self, plan: SchedulerOutput, t0: float, host0: float, prev: _InFlight | None,
                     launched: _InFlight | None, finished: list[RequestOutput]) -> list[RequestOutput]:
@@ -407,7 +483,7 @@ class EngineCore:
                 r.swa_copy = (end, self.runner.snapshot_swa(r.slot, **self.rank_args(r)))
 
     def _save_snapshot(self, r: Request, position: int, arrays) -> None:
-        # digests and the window store are every rank's (``DPEngineCore`` shares rank 0's window store)
+        # digests and the window store are every rank's (``engine.ranks.check_schedulers`` shares rank 0's)
         prefix = self.scheduler.prefix
         digest = prefix.digest_at(r, position)
         if digest is not None and digest not in prefix.snapshots:
@@ -496,6 +572,15 @@ class EngineCore:
                     finished.append(r.to_output())
                     break
         self.stats.reconcile_s += time.perf_counter() - ready
+        if step.spec is not None:  # per rank, the drafts its verify rows verified and accepted (as ``observe``)
+            for i, (c, res) in enumerate(zip(step.plan.chunks, results)):
+                if c.verify and res:
+                    self.rank_spec_verified[step.ranks[i]] += step.pending.verified[i]
+                    self.rank_spec_accepted[step.ranks[i]] += len(res) - 1
+        if self.eplb is not None and step.forward is not None:  # the step's expert load; maybe a rebalance
+            new = self.eplb.record_slots(self.runner.slot_counts(step.forward), step.forward.placement)
+            if new is not None:
+                self.runner.set_placement(new)
         return finished
 
     def _crossed(self, r: Request, anchor: int, produced: int, arrays) -> None:
@@ -558,3 +643,4 @@ class EngineCore:
             self._save_snapshot(r, *r.swa_copy)
         r.swa_copy = None
         scheduler.finish(r, reason, stop_reason)
+        self._rank.pop(r.request_id, None)

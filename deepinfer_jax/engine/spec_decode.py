@@ -13,7 +13,7 @@ scheduling), and the step's wall time (host work included) for its token bucket.
 sampling runs the top-p / top-k threshold search (every logit row then searches, so each verified
 token costs more) keep their own step-time tables (``search_times``).
 
-Over attention data-parallel ranks (``engine.dp_core``) ``plan_ranks`` plans each rank's rows on their own (each
+Over attention data-parallel ranks (``engine.core``, ``engine.ranks``) ``plan_ranks`` plans each rank's rows on their own (each
 rank gets its own budget and its own drafting switch) and counts the step once; ``observe`` is the same.
 """
 
