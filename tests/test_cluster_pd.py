@@ -220,6 +220,15 @@ def test_dp_decode_instance_forwards_from_its_ranks_exactly(dp_roles):
     assert row["hows"] == ["exact"] * 3 and row["ids_equal"] and not row["unfinished"]
 
 
+def test_dp_decode_instance_speculates_and_forwards_exactly(dp_roles):
+    row = dp_roles["spec"]
+    assert row["speculation"] == "dspark" and row["hows"] == ["exact"] * 4 and not row["unfinished"], row
+    assert row["ids_equal"], row  # lossless after the handoff, across the forwarding to one device
+    assert sorted(set(row["ranks"])) == [0, 1] and row["forwarded"] >= 1, row  # both ranks, some forwarded
+    assert row["verified"] > 0 and sum(row["rank_verified"]) == row["verified"], row
+    assert sum(1 for v in row["rank_verified"] if v) == 2, row  # drafts verified on both ranks
+
+
 def test_dp_slot_copies_read_one_rank_with_one_collective(dp_roles):
     row = dp_roles["collectives"]
     assert row["names_equal"]  # the one-device slot layout: a slot moves between the two kinds of engine
@@ -251,20 +260,18 @@ def test_one_device_roles_refuse_a_rank_other_than_0(roles):
     _decode(d)
 
 
-def test_dp_role_env_gives_the_actor_the_preset_devices_and_refuses_speculation():
+def test_dp_role_env_gives_the_actor_the_preset_devices_and_keeps_speculation():
     from deepinfer_jax.cluster.errors import PolicyInputError
     from deepinfer_jax.cluster.live import dp_role_env
 
     assert dp_role_env("decode", {"speculation": "mtp"}) == {}  # one device: the job's environment
-    settings = {"sharding": "cpu-dp2-ep4"}
+    settings = {"sharding": "cpu-dp2-ep4", "speculation": "dspark"}  # a DP decode role speculates (issue 22)
     env = dp_role_env("decode", settings)
     assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"].split() and "PYTHONPATH" in env
-    assert settings["speculation"] == "none"
-    for bad, field in [({"sharding": "cpu-dp2-ep4", "speculation": "dspark"}, "decode_settings.speculation"),
-                       ({"sharding": "no-such-preset"}, "decode_settings.sharding")]:
-        with pytest.raises(PolicyInputError) as e:
-            dp_role_env("decode", bad)
-        assert e.value.field == field
+    assert settings == {"sharding": "cpu-dp2-ep4", "speculation": "dspark"}
+    with pytest.raises(PolicyInputError) as e:
+        dp_role_env("decode", {"sharding": "no-such-preset"})
+    assert e.value.field == "decode_settings.sharding"
 
 
 # ---- Cluster on Ray ----
@@ -501,7 +508,7 @@ def test_cluster_bad_settings_are_typed_errors_naming_the_field():
               "autoscaler.decode.min_instances"),
              ({"budget_s": -0.1}, "budget_s"), ({"decode_grace_s": "60"}, "decode_grace_s"),
              ({"prefill": 0}, "prefill"), ({"decode": 1.5}, "decode"),
-             ({"decode_settings": {"sharding": "cpu-dp2-ep4", "speculation": "dspark"}}, "decode_settings.speculation")]
+             ({"decode_settings": {"sharding": "no-such-preset"}}, "decode_settings.sharding")]
     for kw, field in cases:
         with pytest.raises(PolicyInputError) as e:
             Cluster(model="tiny", **kw)

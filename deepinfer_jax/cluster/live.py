@@ -68,20 +68,14 @@ _ENV_PASSED = ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS", "XLA_FLAGS", "DEEPI
 def dp_role_env(role: str, settings: dict) -> dict:
     """The environment of a role whose engine runs over a device mesh (``sharding`` in its settings, a DP engine;
     one device: ``{}``): this checkout's ``ray_init_options`` environment, with ``XLA_FLAGS`` making the preset's
-    device count of host (CPU) devices, which only a CPU run uses. ``PolicyInputError`` for a DP role with
-    speculation, naming ``<role>_settings.speculation``: a DP engine runs speculation on its own (``LLM(sharding=...,
-    speculation=...)``), but the cluster's roles do not hand a DP rank's speculative slot state over yet."""
+    device count of host (CPU) devices, which only a CPU run uses. An unknown preset is a ``PolicyInputError`` naming
+    ``<role>_settings.sharding``. A DP decode role speculates as a one-device one does (each rank verifies its own
+    requests' drafts; a handed-over request starts without drafts and drafts again from its next step)."""
     from deepinfer_jax.config.sharding import resolve_preset
 
     sharding = settings.get("sharding")
     if sharding is None:
         return {}
-    settings.setdefault("speculation", "none")
-    if settings["speculation"] not in ("none", "auto"):
-        raise PolicyInputError(f"{role}_settings.speculation", f"must be 'none' or 'auto' for a DP role (sharding="
-                                                              f"{sharding!r}): the cluster's roles do not hand a DP "
-                                                              f"rank's speculative state over yet; got "
-                                                              f"{settings['speculation']!r}")
     try:
         preset = resolve_preset(sharding)
     except ValueError as e:

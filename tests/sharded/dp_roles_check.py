@@ -11,6 +11,9 @@ Run from the repository root with ``XLA_FLAGS=--xla_force_host_platform_device_c
   their ranks) to a one-device decode instance, which finishes them: tokens against the colocated engine;
 - ``collectives``: the compiled over-the-mesh ``snapshot_slot`` / ``restore_slot`` programs' collectives
   (kind, bytes) and the slot state's bytes;
+- ``spec``: a DP decode instance with speculation (``dspark``, a drafter that often agrees with the model)
+  admits handoffs, verifies drafts on their ranks, and forwards the unfinished ones mid-decode to the
+  one-device decode instance: tokens against the colocated engine, drafts verified per rank;
 - ``errors``: bad input (a rank out of range) and the fields the typed errors name;
 
 then ``{"check": "done"}``.
@@ -27,6 +30,7 @@ import time
 import jax
 import numpy as np
 from dp_engine_check import SETTINGS
+from dp_prefix_check import agreeing_drafter
 from shard_common import model_and_inputs
 
 from deepinfer_jax import LLM, SamplingParams
@@ -47,9 +51,9 @@ def prompts(vocab: int, seed: int, lengths=LENGTHS) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
-def prefill(p: PrefillInstance, batch, tag: str) -> dict:
+def prefill(p: PrefillInstance, batch, tag: str, sp: SamplingParams = SP) -> dict:
     for i, ids in enumerate(batch):
-        p.add(ids, SP, f"{tag}{i}")
+        p.add(ids, sp, f"{tag}{i}")
     out = {}
     while p.has_unfinished:
         for res in p.step():
@@ -131,6 +135,31 @@ def main(preset: str) -> None:
                       "with_state": sum(f.handoff is not None for f in forwards),
                       "ids_equal": [fgot[f"f{i}"] for i in range(len(fb))] == fwant,
                       "unfinished": engine.has_unfinished}), flush=True)
+
+    # speculation on the DP decode instance (issue 22): handoffs decode with drafts verified on their ranks, then
+    # the unfinished ones are forwarded mid-decode to a one-device instance; all equal to the colocated engine
+    sb = prompts(cfg.vocab_size, 3, (12, 26, 7, 40))
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # long enough to forward mid-decode
+    swant = [o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": b} for b in sb], sp)]
+    drafter = agreeing_drafter(cfg, [{"ids": w} for w in want + swant])
+    spec_llm = LLM(config=cfg, params=params, block_store=store, sharding=preset, drafter=drafter,
+                   **{**KW, "speculation": "dspark", "num_speculative_tokens": 2})
+    sd = DecodeInstance(spec_llm)
+    sres = prefill(p, sb, "s", sp)
+    shows = [sd.add(ids, sp, f"s{i}", sres[f"s{i}"].handoff) for i, ids in enumerate(sb)]
+    sranks = [spec_llm.engine.rank_of(f"s{i}") for i in range(len(sb))]
+    sgot = decode(sd, steps=4)
+    sdone, sforwards = sd.forward_unfinished()
+    sgot.update({o.request_id: o.outputs[0].token_ids for o in sdone})
+    for f in sforwards:
+        one.add(sb[int(f.request_id[1:])], sp, f.request_id, f.handoff, output_ids=f.output_ids)
+    sgot.update(decode(one))
+    stats = spec_llm.stats
+    print(json.dumps({"check": "spec", "speculation": spec_llm.speculation, "hows": shows, "ranks": sranks,
+                      "forwarded": len(sforwards), "ids_equal": [sgot.get(f"s{i}") for i in range(len(sb))] == swant,
+                      "verified": stats.get("spec_drafts_verified"), "accepted": stats.get("spec_drafts_accepted"),
+                      "rank_verified": stats.get("dp_rank_spec_drafts_verified"),
+                      "unfinished": spec_llm.engine.has_unfinished}), flush=True)
 
     # the compiled copies: at most one collective, the size of what is read
     runner = dp_llm.runner
