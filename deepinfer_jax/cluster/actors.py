@@ -106,4 +106,4 @@ class EngineActor:
         inst = self.inst
         return {"role": self.role, "handoffs": getattr(inst, "handoffs", 0), "admitted": getattr(inst, "admitted", 0),
                 "recomputed": dict(getattr(inst, "recomputed", {})), "steps": self.llm.engine.stats.steps,
-                "rank_requests": list(getattr(self.llm.engine, "rank_requests", [])) or None}  # DP engine: per rank
+                "rank_requests": list(self.llm.engine.rank_requests)}  # per DP rank (one device: one)

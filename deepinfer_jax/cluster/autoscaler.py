@@ -19,7 +19,10 @@ instance's capacity ``cap`` (tokens/s, or running requests it sustains):
   ``down_window_s``) plus ``down_hysteresis`` instances, to that count, by at most ``max_step_down``, no sooner than ``down_after_up_s`` after the last
   scale-up and ``down_after_down_s`` after the last scale-down; never while quota use
   ``load_now / (current * cap)`` exceeds ``no_scale_down_above`` (80%), and only by as many
-  instances as keep the projected use ``load_down / ((current - k) * cap)`` at or below it.
+  instances as keep the projected use ``load_down / ((current - k) * cap)`` at or below it. An
+  instance that has work (``busy``: requests routed to it and not yet done) uses its whole quota:
+  both checks take at least ``busy * cap`` as the load, so a backlog that stalls new arrivals (a slow
+  step, a compilation) never reads as an idle role.
 * Bounds ``min_*`` / ``max_*`` always hold; spare capacity is the margin (online, above the
   minimum) plus ``ready_pool`` idle machines kept booted for instant scale-up.
 
@@ -99,14 +102,17 @@ class AutoscalerSettings:
 
 @dataclass(frozen=True)
 class ClusterSignals:
-    """What the router measures each tick: uncached prompt tokens/s and running decode requests."""
+    """What the router measures each tick: uncached prompt tokens/s, running decode requests, and how many
+    prefill instances have work now (requests routed to them and not yet handed over)."""
 
     uncached_tokens_per_s: float
     running_requests: float
+    prefill_busy: float = 0.0
 
     def __post_init__(self) -> None:
         check_number("uncached_tokens_per_s", self.uncached_tokens_per_s)
         check_number("running_requests", self.running_requests)
+        check_number("prefill_busy", self.prefill_busy)
 
 
 @dataclass(frozen=True)
@@ -137,10 +143,12 @@ def desired_instances(load: float, s: RoleSettings) -> tuple[int, int]:
 
 
 def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_down: float, load_now: float,
-           load_sustained: float | None = None) -> tuple[int, str]:
+           load_sustained: float | None = None, busy: float = 0.0) -> tuple[int, str]:
     """The change (instances, signed) for one role and why; the rule of the module docstring.
-    ``load_sustained``: the median over ``sustain_window_s`` (``None``: no burst hold)."""
+    ``load_sustained``: the median over ``sustain_window_s`` (``None``: no burst hold). ``busy``: instances
+    with work now (each counts as fully used in the scale-down checks)."""
     check_int("current", state.current, 0)
+    check_number("busy", busy)
     for name, v in (("load_up", load_up), ("load_down", load_down), ("load_now", load_now)):
         check_number(name, v)
     if load_sustained is not None:
@@ -164,10 +172,11 @@ def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_d
         return 0, "steady"
     if now - state.last_up < s.down_after_up_s or now - state.last_down < s.down_after_down_s:
         return 0, "scale-down held: cooldown"
-    if load_now > s.no_scale_down_above * n * s.capacity:
+    in_use = busy * s.capacity  # the quota the busy instances use, whatever arrived lately
+    if max(load_now, in_use) > s.no_scale_down_above * n * s.capacity:
         return 0, "scale-down held: quota use above no_scale_down_above"
     k = min(n - want_down, s.max_step_down)
-    while k > 0 and load_down > s.no_scale_down_above * (n - k) * s.capacity:
+    while k > 0 and max(load_down, in_use) > s.no_scale_down_above * (n - k) * s.capacity:
         k -= 1
     if k == 0:
         return 0, "scale-down held: projected quota use above no_scale_down_above"
@@ -224,13 +233,14 @@ class Autoscaler:
             raise PolicyInputError("now", f"time went backwards ({now} < {self._last_tick})")
         self._last_tick = now
         out, reasons = {}, []
-        for role, load in (("prefill", signals.uncached_tokens_per_s), ("decode", signals.running_requests)):
+        for role, load, busy in (("prefill", signals.uncached_tokens_per_s, signals.prefill_busy),
+                                 ("decode", signals.running_requests, 0.0)):
             s: RoleSettings = getattr(self.settings, role)
             w = self._windows[role]
             w.push(now, load, max(s.up_window_s, s.down_window_s, s.sustain_window_s))
             state: RoleState = getattr(self, role)
             delta, why = decide(now, state, s, w.mean(now, s.up_window_s), w.peak(now, s.down_window_s), load,
-                                w.median(now, s.sustain_window_s))
+                                w.median(now, s.sustain_window_s), busy)
             if delta > 0:
                 state = replace(state, current=state.current + delta, last_up=now)
             elif delta < 0:

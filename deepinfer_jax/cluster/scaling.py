@@ -3,8 +3,10 @@
 Every ``AutoscalerSettings.tick_s`` seconds the router's ``step`` measures the two signals of the
 policy (``cluster.autoscaler``): the **rate of uncached prompt tokens** routed to prefill since the
 previous tick (from the entry prefix match the router does for every request it routes) and the
-**running requests** on the decode side (routed there and not finished). ``Autoscaler.tick`` turns
-them into a ``ScaleDecision``, applied at once:
+**running requests** on the decode side (routed there and not finished), plus how many prefill instances
+have prompts routed to them and not yet handed over (``prefill_busy``: each counts as fully used, so a
+backlog that stalls new arrivals holds a scale-down). ``Autoscaler.tick`` turns them into a
+``ScaleDecision``, applied at once:
 
 * **scale-up**: an instance of the role from the **ready pool** when one is there (in service at
   once: its engine has already started), else ``Cluster.add_instance(role, wait=False)``, a new Ray
@@ -123,8 +125,9 @@ class LiveScaler:
         c = self.cluster
         rate = self.uncached / (now - self.last)
         running = sum(len(i.rids) for i in c.instances["decode"] if i.alive)
+        busy = sum(1 for i in self._serving("prefill") if i.rids)  # prompts routed there, not yet handed over
         self.last, self.uncached = now, 0
-        decision = self.policy.tick(now, ClusterSignals(rate, running))
+        decision = self.policy.tick(now, ClusterSignals(rate, running, busy))
         reasons = dict(r.split(": ", 1) for r in decision.reasons)
         for role in ("prefill", "decode"):
             delta = getattr(decision, role)
