@@ -26,6 +26,7 @@ from deepinfer_jax.cluster.policies import (
     length_bucket,
     match_digests,
     match_tokens,
+    matched_step_budget,
     num_patches,
     pick_decode_rank,
     pick_prefill_group,
@@ -194,6 +195,20 @@ def test_balancer_with_a_slot_rule_spreads_a_round_and_routes_by_waiting_work():
     # engine 1 is busy for 5 ms more with 30 ms waiting on rank 0: pairing beats waking engine 0
     assert b.route(1000, 30 * MS, [[0.0, 0.0], [60 * MS, 0.0]], waiting=[[0.0, 0.0], [30 * MS, 0.0]],
                    busy_ns=[0.0, 5 * MS]) == (1, 1)
+
+
+def test_matched_step_budget_cuts_long_chunks_only_when_every_rank_works():
+    assert matched_step_budget([10 * MS, 100 * MS], 250 * MS, 5 * MS) == 10 * MS  # both ranks work: match the short
+    assert matched_step_budget([2 * MS, 100 * MS], 250 * MS, 10 * MS) == 10 * MS   # not below the floor
+    assert matched_step_budget([0.0, 100 * MS], 250 * MS, 5 * MS) == 250 * MS     # a rank idles: it pads anyway
+    assert matched_step_budget([300 * MS, 400 * MS], 250 * MS, 5 * MS) == 250 * MS  # never above the budget
+    for call, field in ((lambda: matched_step_budget([1.0, -1.0], 1.0, 0.0), "natural_ns[1]"),
+                        (lambda: matched_step_budget([], 1.0, 0.0), "natural_ns"),
+                        (lambda: matched_step_budget([1.0], 1.0, -2.0), "floor_ns"),
+                        (lambda: SlotRule(match_floor_ns=-1.0), "match_floor_ns")):
+        with pytest.raises(PolicyInputError) as e:
+            call()
+        assert e.value.field == field
 
 
 def test_slot_rule_bad_input_names_the_field():

@@ -22,7 +22,10 @@ holds (its backlog).
    (``pick_prefill_group``), then its rank with the least backlog (``pick_prefill_rank``). No
    prefix affinity (every engine reads every prefix from the store).
 4. **Inside the rank**: the engine's own cost-model chunking (``engine.cost_model.CostModel.largest_q``
-   under ``EngineConfig.step_budget_ns``, engine.md §2.1); nothing here.
+   under ``EngineConfig.step_budget_ns``, engine.md §2.1), with one rule for a lockstep DP step
+   (``matched_step_budget``, ``SlotRule.match_floor_ns``): when every rank has work, all chunk to the
+   smallest rank's natural chunk cost, so the ranks' chunks cost about the same. The simulator
+   applies it; the live engines do not yet (their instances are one rank each).
 
 Ties everywhere go to the lowest index: the rules are deterministic.
 """
@@ -36,8 +39,9 @@ from dataclasses import dataclass, field
 
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_nonempty, check_number
 
-__all__ = ["BUCKET_EDGES", "PrefillBalancer", "PrefillEngineView", "SlotRule", "length_bucket", "pick_prefill_group",
-           "pick_prefill_rank", "pick_prefill_slot", "reassign_engines", "request_quota", "resize_buckets", "route_prefill"]
+__all__ = ["BUCKET_EDGES", "PrefillBalancer", "PrefillEngineView", "SlotRule", "length_bucket", "matched_step_budget",
+           "pick_prefill_group", "pick_prefill_rank", "pick_prefill_slot", "reassign_engines", "request_quota",
+           "resize_buckets", "route_prefill"]
 
 BUCKET_EDGES = (16 * 1024, 64 * 1024, 256 * 1024)  # four buckets: < 16K, 16-64K, 64-256K, >= 256K
 
@@ -204,21 +208,43 @@ def pick_prefill_slot(engines: Sequence[PrefillEngineView], quota_ns: float, ste
     return e, r
 
 
+def matched_step_budget(natural_ns: Sequence[float], step_budget_ns: float, floor_ns: float) -> float:
+    """Layer 4 in a lockstep step: the chunk budget of every rank. ``natural_ns[r]``: the cost of
+    what rank r would run within ``step_budget_ns``. When every rank has work, the budget is the
+    smallest of them (not below ``floor_ns``): the longer chunks are cut to it and their rest waits
+    for the next step, so the short work is not padded to the long chunk's end (its request
+    finishes a step earlier) and the cut request's rest can pair with new work. A rank with nothing
+    pads whatever the chunks, so then the whole budget."""
+    check_nonempty("natural_ns", natural_ns)
+    for i, x in enumerate(natural_ns):
+        check_number(f"natural_ns[{i}]", x)
+    check_number("step_budget_ns", step_budget_ns, 0.0, strict=True)
+    check_number("floor_ns", floor_ns)
+    if min(natural_ns) <= 0:
+        return step_budget_ns
+    return min(step_budget_ns, max(min(natural_ns), floor_ns))
+
+
 @dataclass(frozen=True)
 class SlotRule:
     """Settings of ``pick_prefill_slot``: the engines' per-step overhead ``a0`` and step budget (ns),
-    and the weight of the next step's padding against the request's predicted finish."""
+    the weight of the next step's padding against the request's predicted finish, the score
+    difference that counts as a tie, and layer 4's ``matched_step_budget`` floor (``None``: each rank
+    fills the whole budget)."""
 
     step_overhead_ns: float = 0.0
     step_budget_ns: float = 250e6
     pairing: float = 1.0
     tie_ns: float = 5e6
+    match_floor_ns: float | None = 10e6
 
     def __post_init__(self) -> None:
         check_number("step_overhead_ns", self.step_overhead_ns)
         check_number("step_budget_ns", self.step_budget_ns, 0.0, strict=True)
         check_number("pairing", self.pairing)
         check_number("tie_ns", self.tie_ns)
+        if self.match_floor_ns is not None:
+            check_number("match_floor_ns", self.match_floor_ns)
 
 
 def route_prefill(num_tokens: int, engines: Sequence[PrefillEngineView], round_quota_ns: float,

@@ -51,7 +51,8 @@ import numpy as np
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
 from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings, migration_pause_s, plan_moves
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
-from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, SlotRule, length_bucket, request_quota
+from deepinfer_jax.cluster.prefill_balancer import (PrefillBalancer, SlotRule, length_bucket, matched_step_budget,
+                                                    request_quota)
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_digests
 from deepinfer_jax.cluster.step_models import DecodeStepModel, production_prefill_model
 from deepinfer_jax.cluster.traces import Trace
@@ -117,7 +118,7 @@ class _Job:
 def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
              decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
              drain_s: float = 120.0, rebalance: RebalanceSettings = RebalanceSettings(),
-             pairing: float | None = 1.0, tie_ns: float = 5e6) -> SimResult:
+             pairing: float | None = 1.0, tie_ns: float = 5e6, match_floor_ns: float | None = 10e6) -> SimResult:
     """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
     (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``; ``pairing`` and
     ``tie_ns`` are the prefill balancer's ``SlotRule`` for ``deepinfer*`` (``pairing=None``: the
@@ -128,7 +129,7 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         raise PolicyInputError("trace", "has no requests")
     cm = cost_model or production_prefill_model()
     a0 = float(cm.coef[0])
-    slot = None if pairing is None else SlotRule(a0, shape.step_budget_ns, pairing, tie_ns)
+    slot = None if pairing is None else SlotRule(a0, shape.step_budget_ns, pairing, tie_ns, match_floor_ns)
     dm = decode_model or DecodeStepModel()
     tps = dm.tokens_per_step
     warm = trace.duration_s * 0.2 if warmup_s is None else warmup_s
@@ -143,6 +144,7 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     step_end = [0.0] * E
     ours = policy in ("deepinfer", "deepinfer_migrate")
     balancer = PrefillBalancer(E, shape.round_s * 1e9, slot=slot) if ours else None
+    match_floor = slot.match_floor_ns if ours and slot is not None else None  # layer 4, ours only
     # decode state
     rows = [[0] * DR for _ in range(D)]
     base = [[0.0] * DR for _ in range(D)]
@@ -227,27 +229,39 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
             k = min(range(n), key=lambda j: (rows[j // DR][j % DR], j))
         return k // DR, k % DR
 
+    def chunk(queue, budget, done=None):
+        """The chunks one rank runs in a step within ``budget`` (layer 4); their cost. With ``done``
+        (a list) the jobs advance and the finished ones are appended, else nothing changes."""
+        spent_all, left = 0.0, budget
+        for job in queue:
+            q = cm.largest_q(left, job.c, job.q)
+            if q <= 0:
+                if spent_all > 0:
+                    break
+                q = min(job.q, 128)  # a step always advances its first chunk
+            spent = cm.chunk_cost(q, job.c)
+            spent_all += spent
+            left -= spent
+            rest = job.q - q
+            if done is not None:
+                job.q, job.c = rest, job.c + q
+                if rest == 0:
+                    done.append(job)
+            if left <= 0 or rest > 0:
+                break
+        return spent_all
+
     def start_step(e, now):
         held = sum(map(len, queues[e]))
+        budget = shape.step_budget_ns
+        if match_floor is not None:
+            budget = matched_step_budget([chunk(queues[e][r], budget) for r in range(R)], budget, match_floor)
         cost = [0.0] * R
         done = []
         for r in range(R):
-            left = shape.step_budget_ns
-            for job in queues[e][r]:
-                q = cm.largest_q(left, job.c, job.q)
-                if q <= 0:
-                    if cost[r] > 0:
-                        break
-                    q = min(job.q, 128)  # a step always advances its first chunk
-                spent = cm.chunk_cost(q, job.c)
-                cost[r] += spent
-                left -= spent
-                job.q -= q
-                job.c += q
-                if job.q == 0:
-                    done.append((r, job))
-                if left <= 0 or job.q > 0:
-                    break
+            finished = []
+            cost[r] = chunk(queues[e][r], budget, finished)
+            done.extend((r, job) for job in finished)
         stepping[e] = True
         if warm <= now < t_end:
             samples_p.append((max(cost), sum(cost) / R))
