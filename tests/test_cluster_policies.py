@@ -197,6 +197,28 @@ def test_balancer_with_a_slot_rule_spreads_a_round_and_routes_by_waiting_work():
                    busy_ns=[0.0, 5 * MS]) == (1, 1)
 
 
+def test_soft_buckets_leave_a_busy_bucket_for_an_idle_engine_only_when_cheaper():
+    # bucket 0 (the request's) busy for 100 ms more; engine 1 of bucket 1 idle
+    engines = [PrefillEngineView(0, (0.0, 0.0), waiting=(0.0, 0.0), busy_ns=100 * MS),
+               PrefillEngineView(1, (0.0, 0.0))]
+    soft = SlotRule(24 * MS, pairing=1.0, bucket_penalty_ns=20 * MS)
+    assert route_prefill(1000, engines, 1e9, quota_ns=10 * MS, slot=soft) == (1, 0)
+    # a penalty above the wait keeps it in its bucket; hard buckets (None) always do
+    far = SlotRule(24 * MS, pairing=1.0, bucket_penalty_ns=200 * MS)
+    assert route_prefill(1000, engines, 1e9, quota_ns=10 * MS, slot=far) == (0, 0)
+    hard = SlotRule(24 * MS, pairing=1.0, bucket_penalty_ns=None)
+    assert route_prefill(1000, engines, 1e9, quota_ns=10 * MS, slot=hard) == (0, 0)
+    with pytest.raises(PolicyInputError) as e:
+        pick_prefill_slot(engines, 1.0, 0.0, 1.0, extra_ns=[0.0])
+    assert e.value.field == "extra_ns"
+    with pytest.raises(PolicyInputError) as e:
+        pick_prefill_slot(engines, 1.0, 0.0, 1.0, extra_ns=[0.0, -1.0])
+    assert e.value.field == "extra_ns[1]"
+    with pytest.raises(PolicyInputError) as e:
+        SlotRule(bucket_penalty_ns=-1.0)
+    assert e.value.field == "bucket_penalty_ns"
+
+
 def test_matched_step_budget_cuts_long_chunks_only_when_every_rank_works():
     assert matched_step_budget([10 * MS, 100 * MS], 250 * MS, 5 * MS) == 10 * MS  # both ranks work: match the short
     assert matched_step_budget([2 * MS, 100 * MS], 250 * MS, 10 * MS) == 10 * MS   # not below the floor

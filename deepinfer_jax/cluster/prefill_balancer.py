@@ -10,8 +10,10 @@ holds (its backlog).
    of the previous round's quota demand (largest remainders, every bucket that had demand keeps one
    engine while there are enough; ``resize_buckets``), moving as few engines as possible and the
    least loaded first (``reassign_engines``). A request whose bucket has no engine goes to the
-   nearest bucket that has one (the longer on a tie).
-2. + 3. **Engine and rank** within the bucket, together (``pick_prefill_slot``, with a ``SlotRule``):
+   nearest bucket that has one (the longer on a tie). With ``SlotRule.bucket_penalty_ns`` set (the
+   default) the bucket is a preference: every engine is a candidate, at that cost per bucket of
+   distance, so a request does not wait for its bucket's busy engines while another is idle.
+2. + 3. **Engine and rank**, together (``pick_prefill_slot``, with a ``SlotRule``):
    the ``(engine, rank)`` with the least predicted finish of the request plus ``pairing`` times the
    padding of that engine's next lockstep step, both from each rank's work still *waiting* for a
    step (not its total backlog: the chunk now running leaves with the step). A request goes to an
@@ -160,7 +162,8 @@ def pick_prefill_rank(backlogs: Sequence[float]) -> int:
 
 def pick_prefill_slot(engines: Sequence[PrefillEngineView], quota_ns: float, step_overhead_ns: float,
                       step_budget_ns: float, pairing: float = 1.0,
-                      candidates: Sequence[int] | None = None, tie_ns: float = 0.0) -> tuple[int, int]:
+                      candidates: Sequence[int] | None = None, tie_ns: float = 0.0,
+                      extra_ns: Sequence[float] | None = None) -> tuple[int, int]:
     """Layers 2-3 together: the ``(engine, rank)`` minimising the request's predicted finish plus
     ``pairing`` times the padding its engine's next step gets, per rank.
 
@@ -172,13 +175,16 @@ def pick_prefill_slot(engines: Sequence[PrefillEngineView], quota_ns: float, ste
     waits for the next step when that costs less time than the padding (pairing is nearly free in
     step time: a step lasts ``a0 + max over ranks``). ``pairing = 0``: the earliest finish. Scores
     within ``tie_ns`` of the best tie; ties go to the rank with the least ``routed`` quota this round
-    (spreading a round's work over all ranks), then the lowest index."""
+    (spreading a round's work over all ranks), then the lowest index. ``extra_ns[e]``: a cost added
+    to every slot of engine e (e.g. a bucket mismatch)."""
     check_nonempty("engines", engines)
     check_number("quota_ns", quota_ns)
     check_number("step_overhead_ns", step_overhead_ns)
     check_number("step_budget_ns", step_budget_ns, 0.0, strict=True)
     check_number("pairing", pairing)
     check_number("tie_ns", tie_ns)
+    if extra_ns is not None and len(extra_ns) != len(engines):
+        raise PolicyInputError("extra_ns", f"needs one entry per engine ({len(engines)}), got {len(extra_ns)}")
     pool = list(range(len(engines))) if candidates is None else list(candidates)
     pool = [e for e in pool if engines[e].accepting and engines[e].backlogs]
     if not pool:
@@ -192,6 +198,8 @@ def pick_prefill_slot(engines: Sequence[PrefillEngineView], quota_ns: float, ste
         for i, b in enumerate(wait):
             check_number(f"engines[{e}].waiting[{i}]" if v.waiting is not None else f"engines[{e}].backlogs[{i}]", b)
         busy = check_number(f"engines[{e}].busy_ns", v.busy_ns)
+        if extra_ns is not None:
+            busy += check_number(f"extra_ns[{e}]", extra_ns[e])
         routed = v.routed if v.routed is not None else (0.0,) * len(wait)
         if len(routed) != len(wait):
             raise PolicyInputError(f"engines[{e}].routed", f"needs one entry per rank ({len(wait)})")
@@ -229,14 +237,16 @@ def matched_step_budget(natural_ns: Sequence[float], step_budget_ns: float, floo
 class SlotRule:
     """Settings of ``pick_prefill_slot``: the engines' per-step overhead ``a0`` and step budget (ns),
     the weight of the next step's padding against the request's predicted finish, the score
-    difference that counts as a tie, and layer 4's ``matched_step_budget`` floor (``None``: each rank
-    fills the whole budget)."""
+    difference that counts as a tie, layer 4's ``matched_step_budget`` floor (``None``: each rank
+    fills the whole budget), and the cost per bucket of distance between a request's length bucket
+    and an engine's (``None``: hard buckets, only the nearest bucket's engines are candidates)."""
 
     step_overhead_ns: float = 0.0
     step_budget_ns: float = 250e6
-    pairing: float = 1.0
+    pairing: float = 4.0
     tie_ns: float = 5e6
     match_floor_ns: float | None = 10e6
+    bucket_penalty_ns: float | None = 20e6
 
     def __post_init__(self) -> None:
         check_number("step_overhead_ns", self.step_overhead_ns)
@@ -245,6 +255,8 @@ class SlotRule:
         check_number("tie_ns", self.tie_ns)
         if self.match_floor_ns is not None:
             check_number("match_floor_ns", self.match_floor_ns)
+        if self.bucket_penalty_ns is not None:
+            check_number("bucket_penalty_ns", self.bucket_penalty_ns)
 
 
 def route_prefill(num_tokens: int, engines: Sequence[PrefillEngineView], round_quota_ns: float,
@@ -260,6 +272,10 @@ def route_prefill(num_tokens: int, engines: Sequence[PrefillEngineView], round_q
         raise PolicyInputError("engines", "no accepting engine with ranks to route to")
     bucket = min(live, key=lambda b: (abs(b - want), -b))
     members = [i for i, v in enumerate(engines) if v.bucket == bucket]
+    if slot is not None and slot.bucket_penalty_ns is not None:  # buckets as a preference only
+        extra = [slot.bucket_penalty_ns * abs(v.bucket - want) for v in engines]
+        return pick_prefill_slot(engines, quota_ns, slot.step_overhead_ns, slot.step_budget_ns, slot.pairing, None,
+                                 slot.tie_ns, extra)
     if slot is not None:
         return pick_prefill_slot(engines, quota_ns, slot.step_overhead_ns, slot.step_budget_ns, slot.pairing, members,
                                  slot.tie_ns)

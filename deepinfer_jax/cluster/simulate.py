@@ -118,18 +118,24 @@ class _Job:
 def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
              decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
              drain_s: float = 120.0, rebalance: RebalanceSettings = RebalanceSettings(),
-             pairing: float | None = 1.0, tie_ns: float = 5e6, match_floor_ns: float | None = 10e6) -> SimResult:
+             pairing: float | None = 4.0, tie_ns: float = 5e6, match_floor_ns: float | None = 10e6,
+             bucket_penalty_ns: float | None = 20e6, gather_ns: float = 0.0) -> SimResult:
     """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
-    (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``; ``pairing`` and
-    ``tie_ns`` are the prefill balancer's ``SlotRule`` for ``deepinfer*`` (``pairing=None``: the
-    rule before it, most remaining quota then least backlog)."""
+    (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``; ``pairing``,
+    ``tie_ns``, ``match_floor_ns`` and ``bucket_penalty_ns`` are the prefill balancer's ``SlotRule`` for
+    ``deepinfer*`` (``pairing=None``: the rule before it, hard buckets, most remaining quota then least
+    backlog, whole-budget chunks). ``gather_ns`` is an engine setting for
+    every policy (0: off): an idle prefill engine that gets fewer requests than ranks waits up to
+    that long, or until every rank has one, before its first step."""
     if policy not in POLICIES:
         raise PolicyInputError("policy", f"must be one of {POLICIES}, got {policy!r}")
     if not trace.requests:
         raise PolicyInputError("trace", "has no requests")
+    check_number("gather_ns", gather_ns)
     cm = cost_model or production_prefill_model()
     a0 = float(cm.coef[0])
-    slot = None if pairing is None else SlotRule(a0, shape.step_budget_ns, pairing, tie_ns, match_floor_ns)
+    slot = None if pairing is None else SlotRule(a0, shape.step_budget_ns, pairing, tie_ns, match_floor_ns,
+                                                  bucket_penalty_ns)
     dm = decode_model or DecodeStepModel()
     tps = dm.tokens_per_step
     warm = trace.duration_s * 0.2 if warmup_s is None else warmup_s
@@ -141,7 +147,8 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     backlog = [[0.0] * R for _ in range(E)]
     stepping = [False] * E
     running_cost = [[0.0] * R for _ in range(E)]  # each rank's chunk cost in the step now running
-    step_end = [0.0] * E
+    step_end = [0.0] * E  # the end of the running step (or of an idle engine's gather wait)
+    gathering = [False] * E
     ours = policy in ("deepinfer", "deepinfer_migrate")
     balancer = PrefillBalancer(E, shape.round_s * 1e9, slot=slot) if ours else None
     match_floor = slot.match_floor_ns if ours and slot is not None else None  # layer 4, ours only
@@ -201,7 +208,7 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         if ours:
             waiting = [[max(0.0, backlog[e][r] - running_cost[e][r]) if stepping[e] else backlog[e][r]
                         for r in range(R)] for e in range(E)]
-            busy = [max(0.0, step_end[e] - now) * 1e9 if stepping[e] else 0.0 for e in range(E)]
+            busy = [max(0.0, step_end[e] - now) * 1e9 if stepping[e] or gathering[e] else 0.0 for e in range(E)]
             return balancer.route(req.num_tokens, quota, backlog, None, waiting, busy)
         n = E * R
         if policy == "round_robin":
@@ -369,8 +376,20 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
             e, r = route_prefill(req, quota, now)
             queues[e][r].append(_Job(req, q, c, length_bucket(req.num_tokens)))
             backlog[e][r] += quota
-            if not stepping[e]:
+            if gathering[e] and all(queues[e]):
+                gathering[e] = False  # every rank has work: no reason to wait longer
                 start_step(e, now)
+            elif not stepping[e] and not gathering[e]:
+                if gather_ns > 0 and not all(queues[e]):
+                    gathering[e] = True
+                    step_end[e] = now + gather_ns / 1e9
+                    push(step_end[e], "gather", e)
+                else:
+                    start_step(e, now)
+        elif kind == "gather":
+            if gathering[payload]:
+                gathering[payload] = False
+                start_step(payload, now)
         elif kind == "pstep":
             e, done = payload
             for r, job in done:
