@@ -67,7 +67,7 @@ def plot_results(results, out_dir: str | Path, days=()) -> list[Path]:
         axes[0].set_xticks(x, names)
         axes[0].set_ylabel("max / mean")
         axes[0].set_title(f"{trace}: balance (dashed 1.10 target, dotted 1.5)")
-        axes[0].legend(fontsize=7)
+        axes[0].legend(fontsize=7, loc="lower center", ncol=3)  # over the bars' feet, not their tops
         buckets = list(rs[0].ttft_ms)
         wb = 0.8 / len(buckets)
         for k, b in enumerate(buckets):
