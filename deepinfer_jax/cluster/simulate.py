@@ -6,9 +6,11 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
 * **Entry**: the request's block chain is matched against the store index (``prefix_index``):
   hit and uncached tokens are known before routing; quota = ``cost(q, c)``.
 * **Prefill** engines of ``prefill_ranks`` DP ranks step in lockstep: each rank fills the step
-  budget from its FIFO queue with the cost model's chunking (``CostModel.largest_q``, layer 4), a
+  budget from its FIFO queue with the cost model's chunking (``CostModel.largest_q``, layer 4; for
+  ``deepinfer*`` the budget of a step where every rank has work is ``matched_step_budget``), a
   step lasts ``a0 + max over ranks`` of the chunk costs. A finished prompt writes its blocks to
-  the index and is handed to decode at once (TTFT = prefill end - arrival).
+  the index and is handed to decode at once (TTFT = prefill end - arrival). ``gather_ns`` (off by
+  default, every policy): an idle engine given fewer requests than ranks waits for more first.
 * **Decode** instances of ``decode_ranks`` ranks step in lockstep with ``DecodeStepModel``; every
   running request gains ``tokens_per_step`` tokens per step. The simulation is exact between
   events for the step count and re-reads the step time at every event (arrival, finish, and a
