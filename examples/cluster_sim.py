@@ -2,6 +2,7 @@
 
     python examples/cluster_sim.py          # small cluster (16 prefill + 16 decode ranks), short traces
     python examples/cluster_sim.py --full   # the seed's 64 prefill + 64 decode ranks (minutes)
+    python examples/cluster_sim.py --gather-ms 50 --pairing 10   # engines that wait for a partner
 
 Prints a markdown table per trace and policy (the traces on the default shape, then at the
 autoscaler's operating point: one decode instance, agent traffic x2.25), the 24 h autoscaler replay,
@@ -28,6 +29,9 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="64 prefill + 64 decode ranks, 4x the traffic")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plots", default="cluster_sim_plots")
+    ap.add_argument("--pairing", type=float, default=4.0, help="the prefill slot rule's padding weight")
+    ap.add_argument("--gather-ms", type=float, default=0.0,
+                    help="engine setting, every policy: an idle prefill engine waits up to this for a request per rank")
     args = ap.parse_args()
     k = 4 if args.full else 1
     # (engines, ranks) prefill, (instances, ranks) decode
@@ -45,7 +49,8 @@ def main() -> None:
     for s in dict.fromkeys((shape, op_shape, op_agent)):
         print(f"cluster: {s.prefill_engines} prefill engines x {s.prefill_ranks} ranks, "
               f"{s.decode_instances} decode instances x {s.decode_ranks} ranks")
-    results = [simulate(t, p, s, seed=args.seed) for t, s in runs for p in POLICIES]
+    results = [simulate(t, p, s, seed=args.seed, pairing=args.pairing, gather_ns=args.gather_ms * 1e6)
+               for t, s in runs for p in POLICIES]
     print(sim_table(results))
     pc, dc = 4 * 80_000.0, 16 * 64.0
     days = [replay_day(default_settings(pc, dc), seed=args.seed, name="policy"),

@@ -20,15 +20,18 @@ from deepinfer_jax.cluster.policies import (
     RoleSettings,
     RoleState,
     ScaleDecision,
+    SlotRule,
     count_oscillations,
     decide,
     length_bucket,
     match_digests,
     match_tokens,
+    matched_step_budget,
     num_patches,
     pick_decode_rank,
     pick_prefill_group,
     pick_prefill_rank,
+    pick_prefill_slot,
     pick_vision_card,
     reassign_engines,
     request_quota,
@@ -141,6 +144,121 @@ def test_prefill_balancer_rounds_resize_by_demand():
         b.route(10, 1.0, [[0.0]])
     with pytest.raises(PolicyInputError, match="edges"):
         PrefillBalancer(2, 1e9, edges=(10, 5))
+
+
+MS = 1e6  # ns
+
+
+def test_slot_pairs_a_request_with_waiting_work_when_that_is_about_as_fast():
+    idle = PrefillEngineView(0, (0.0, 0.0), waiting=(0.0, 0.0))
+    # stepping, 10 ms left; rank 0 holds a 40 ms request that waits for the next step, rank 1 nothing
+    half = PrefillEngineView(0, (40 * MS, 0.0), waiting=(40 * MS, 0.0), busy_ns=10 * MS)
+    # idle engine: 24 + 40 = 64 ms, plus 20 ms of padding; beside the waiting request: 10 + 24 + 40, no padding
+    assert pick_prefill_slot([idle, half], 40 * MS, 24 * MS, 250 * MS, pairing=1.0) == (1, 1)
+    # the earliest finish alone wakes the idle engine
+    assert pick_prefill_slot([idle, half], 40 * MS, 24 * MS, 250 * MS, pairing=0.0) == (0, 0)
+    # a step that runs 200 ms more is not worth waiting for, padding or not
+    late = PrefillEngineView(0, (40 * MS, 0.0), waiting=(40 * MS, 0.0), busy_ns=200 * MS)
+    assert pick_prefill_slot([idle, late], 40 * MS, 24 * MS, 250 * MS, pairing=1.0) == (0, 0)
+    # a rank with no waiting work: it goes there, alone, neither behind the waiting request
+    assert pick_prefill_slot([late], 40 * MS, 24 * MS, 250 * MS) == (0, 1)
+
+
+def test_slot_ranks_by_waiting_work_not_backlog():
+    # rank 0's last chunk is running (leaves with this step); rank 1 holds a request not started yet
+    v = PrefillEngineView(0, (50 * MS, 40 * MS), waiting=(0.0, 40 * MS), busy_ns=30 * MS)
+    assert pick_prefill_rank(v.backlogs) == 1  # the old layer 3: behind the waiting request, rank 0 idle next step
+    assert pick_prefill_slot([v], 40 * MS, 24 * MS, 250 * MS) == (0, 0)  # beside it: both ranks work
+    # without waiting/busy (a one-rank live instance): the least backlog, as before
+    ones = [PrefillEngineView(0, (5.0,)), PrefillEngineView(0, (3.0,)), PrefillEngineView(0, (4.0,))]
+    assert pick_prefill_slot(ones, 1.0, 0.0, 250 * MS) == (1, 0)
+
+
+def test_slot_ties_go_to_the_rank_with_least_quota_this_round():
+    a = PrefillEngineView(0, (0.0, 0.0), routed=(9.0, 0.0))
+    b = PrefillEngineView(0, (0.0, 0.0), routed=(1.0, 3.0))
+    assert pick_prefill_slot([a, b], 10 * MS, 24 * MS, 250 * MS) == (0, 1)
+    assert pick_prefill_slot([b, a], 10 * MS, 24 * MS, 250 * MS) == (1, 1)
+    # within tie_ns of the best: still a tie; outside it the faster slot wins
+    c = PrefillEngineView(0, (0.0, 0.0), busy_ns=3 * MS, routed=(0.0, 0.0))
+    d = PrefillEngineView(0, (0.0, 0.0), routed=(5.0, 5.0))
+    assert pick_prefill_slot([d, c], 10 * MS, 24 * MS, 250 * MS, tie_ns=5 * MS) == (1, 0)
+    assert pick_prefill_slot([d, c], 10 * MS, 24 * MS, 250 * MS, tie_ns=1 * MS) == (0, 0)
+
+
+def test_balancer_with_a_slot_rule_spreads_a_round_and_routes_by_waiting_work():
+    b = PrefillBalancer(num_engines=2, round_quota_ns=1e9, assignment=(0, 0), slot=SlotRule(24 * MS))
+    picks = [b.route(1000, 10 * MS, [[0.0, 0.0], [0.0, 0.0]]) for _ in range(4)]
+    assert sorted(picks) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # idle everywhere: each rank once
+    b.end_round()
+    assert b.routed == {}
+    # engine 1 is busy for 5 ms more with 30 ms waiting on rank 0: pairing beats waking engine 0
+    assert b.route(1000, 30 * MS, [[0.0, 0.0], [60 * MS, 0.0]], waiting=[[0.0, 0.0], [30 * MS, 0.0]],
+                   busy_ns=[0.0, 5 * MS]) == (1, 1)
+
+
+def test_soft_buckets_leave_a_busy_bucket_for_an_idle_engine_only_when_cheaper():
+    # bucket 0 (the request's) busy for 100 ms more; engine 1 of bucket 1 idle
+    engines = [PrefillEngineView(0, (0.0, 0.0), waiting=(0.0, 0.0), busy_ns=100 * MS),
+               PrefillEngineView(1, (0.0, 0.0))]
+    soft = SlotRule(24 * MS, pairing=1.0, bucket_penalty_ns=20 * MS)
+    assert route_prefill(1000, engines, 1e9, quota_ns=10 * MS, slot=soft) == (1, 0)
+    # a penalty above the wait keeps it in its bucket; hard buckets (None) always do
+    far = SlotRule(24 * MS, pairing=1.0, bucket_penalty_ns=200 * MS)
+    assert route_prefill(1000, engines, 1e9, quota_ns=10 * MS, slot=far) == (0, 0)
+    hard = SlotRule(24 * MS, pairing=1.0, bucket_penalty_ns=None)
+    assert route_prefill(1000, engines, 1e9, quota_ns=10 * MS, slot=hard) == (0, 0)
+    with pytest.raises(PolicyInputError) as e:
+        pick_prefill_slot(engines, 1.0, 0.0, 1.0, extra_ns=[0.0])
+    assert e.value.field == "extra_ns"
+    with pytest.raises(PolicyInputError) as e:
+        pick_prefill_slot(engines, 1.0, 0.0, 1.0, extra_ns=[0.0, -1.0])
+    assert e.value.field == "extra_ns[1]"
+    with pytest.raises(PolicyInputError) as e:
+        SlotRule(bucket_penalty_ns=-1.0)
+    assert e.value.field == "bucket_penalty_ns"
+
+
+def test_matched_step_budget_cuts_long_chunks_only_when_every_rank_works():
+    assert matched_step_budget([10 * MS, 100 * MS], 250 * MS, 5 * MS) == 10 * MS  # both ranks work: match the short
+    assert matched_step_budget([2 * MS, 100 * MS], 250 * MS, 10 * MS) == 10 * MS   # not below the floor
+    assert matched_step_budget([0.0, 100 * MS], 250 * MS, 5 * MS) == 250 * MS     # a rank idles: it pads anyway
+    assert matched_step_budget([300 * MS, 400 * MS], 250 * MS, 5 * MS) == 250 * MS  # never above the budget
+    for call, field in ((lambda: matched_step_budget([1.0, -1.0], 1.0, 0.0), "natural_ns[1]"),
+                        (lambda: matched_step_budget([], 1.0, 0.0), "natural_ns"),
+                        (lambda: matched_step_budget([1.0], 1.0, -2.0), "floor_ns"),
+                        (lambda: SlotRule(match_floor_ns=-1.0), "match_floor_ns")):
+        with pytest.raises(PolicyInputError) as e:
+            call()
+        assert e.value.field == field
+
+
+def test_slot_rule_bad_input_names_the_field():
+    v = PrefillEngineView(0, (0.0, 0.0))
+    cases = [
+        (lambda: pick_prefill_slot([PrefillEngineView(0, (0.0, 0.0), waiting=(0.0,))], 1.0, 0.0, 1.0),
+         "engines[0].waiting"),
+        (lambda: pick_prefill_slot([PrefillEngineView(0, (0.0, 0.0), waiting=(0.0, -1.0))], 1.0, 0.0, 1.0),
+         "engines[0].waiting[1]"),
+        (lambda: pick_prefill_slot([v, PrefillEngineView(0, (0.0, float("nan")))], 1.0, 0.0, 1.0),
+         "engines[1].backlogs[1]"),
+        (lambda: pick_prefill_slot([PrefillEngineView(0, (0.0,), busy_ns=-1.0)], 1.0, 0.0, 1.0), "engines[0].busy_ns"),
+        (lambda: pick_prefill_slot([PrefillEngineView(0, (0.0,), routed=(1.0, 2.0))], 1.0, 0.0, 1.0),
+         "engines[0].routed"),
+        (lambda: pick_prefill_slot([v], -1.0, 0.0, 1.0), "quota_ns"),
+        (lambda: pick_prefill_slot([v], 1.0, 0.0, 0.0), "step_budget_ns"),
+        (lambda: pick_prefill_slot([v], 1.0, 0.0, 1.0, pairing=-1.0), "pairing"),
+        (lambda: pick_prefill_slot([], 1.0, 0.0, 1.0), "engines"),
+        (lambda: pick_prefill_slot([PrefillEngineView(0, (0.0,), accepting=False)], 1.0, 0.0, 1.0), "engines"),
+        (lambda: SlotRule(pairing=-0.5), "pairing"),
+        (lambda: SlotRule(tie_ns=float("inf")), "tie_ns"),
+        (lambda: PrefillBalancer(2, 1e9, slot=SlotRule()).route(10, 1.0, [[0.0]] * 2, waiting=[[0.0]]), "waiting"),
+        (lambda: PrefillBalancer(2, 1e9, slot=SlotRule()).route(10, 1.0, [[0.0]] * 2, busy_ns=[0.0]), "busy_ns"),
+    ]
+    for call, field in cases:
+        with pytest.raises(PolicyInputError) as e:
+            call()
+        assert e.value.field == field, (field, e.value)
 
 
 # ---- decode balancer ----

@@ -59,6 +59,29 @@ def test_policy_beats_baselines_on_balance(chat, agent):
     assert "deepinfer" in sim_table(list(res.values()))
 
 
+def test_prefill_slot_rule_steps_better_balanced_than_before_and_round_robin():
+    # agent traffic at ~1/3 prefill load: engines mostly hold one request, so ranks pad
+    busy_agent = agent_trace(4.0, 10.0, seed=3, gap_s=3.0)
+    new = simulate(busy_agent, "deepinfer", SHAPE)
+    before = simulate(busy_agent, "deepinfer", SHAPE, pairing=None)  # remaining quota, least backlog
+    unmatched = simulate(busy_agent, "deepinfer", SHAPE, match_floor_ns=None)  # layers 2-3 only
+    rr = simulate(busy_agent, "round_robin", SHAPE)
+    assert new.prefill_balance < min(unmatched.prefill_balance, before.prefill_balance), \
+        (new.prefill_balance, unmatched.prefill_balance, before.prefill_balance)
+    assert new.prefill_balance < rr.prefill_balance, (new.prefill_balance, rr.prefill_balance)
+    for b in ("16-64K", "64-256K"):  # not bought with TTFT: the medians are no worse than before
+        assert new.ttft_ms[b][0] <= before.ttft_ms[b][0], (b, new.ttft_ms[b], before.ttft_ms[b])
+    for r in (new, unmatched, before, rr):
+        # the bounds: no rank placement beats an engine holding fewer requests than ranks
+        assert 1.0 <= r.prefill_bound_tier <= r.prefill_bound <= r.prefill_balance, r
+    # an engine that waits a little for a second request before its first step pads less
+    gathered = simulate(busy_agent, "deepinfer", SHAPE, gather_ns=25e6)
+    assert gathered.prefill_bound < new.prefill_bound and gathered.prefill_balance < new.prefill_balance
+    with pytest.raises(PolicyInputError) as e:
+        simulate(busy_agent, "deepinfer", SHAPE, gather_ns=-1.0)
+    assert e.value.field == "gather_ns"
+
+
 def test_simulator_bad_input(chat):
     with pytest.raises(PolicyInputError, match="policy"):
         simulate(chat, "least_latency", SHAPE)

@@ -50,7 +50,7 @@ from typing import Self
 from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
-from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, request_quota
+from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, SlotRule, request_quota
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_tokens
 from deepinfer_jax.cluster.scaling import LiveScaler, check_settings
 from deepinfer_jax.cluster.streaming import StreamCursor
@@ -302,7 +302,8 @@ class Cluster:
         if not live:
             raise RuntimeError("no prefill instance left")
         if self._balancer is None or self._balancer.num_engines != len(self.instances["prefill"]):
-            self._balancer = PrefillBalancer(len(self.instances["prefill"]), round_quota_ns=1e9)
+            self._balancer = PrefillBalancer(len(self.instances["prefill"]), round_quota_ns=1e9,
+                                             slot=SlotRule(max(0.0, float(self._cost.coef[0])), tie_ns=0.0))
         m, _ = match_tokens(req.ids, bytes.fromhex(self.info["extra"]), self._index, None,
                             self.info["block_size"], self.info["ring_rows"])
         req.quota = request_quota(self._cost, m.uncached_tokens, m.hit_tokens, m.replay_tokens)

@@ -26,9 +26,12 @@ from deepinfer_jax.cluster.prefill_balancer import (
                                               BUCKET_EDGES,
                                               PrefillBalancer,
                                               PrefillEngineView,
+                                              SlotRule,
                                               length_bucket,
+                                              matched_step_budget,
                                               pick_prefill_group,
                                               pick_prefill_rank,
+                                              pick_prefill_slot,
                                               reassign_engines,
                                               request_quota,
                                               resize_buckets,
@@ -39,7 +42,8 @@ from deepinfer_jax.cluster.vision_balancer import num_patches, pick_vision_card
 
 __all__ = ["BUCKET_EDGES", "Autoscaler", "AutoscalerSettings", "ClusterSignals", "DecodeInstanceView", "Move",
            "PolicyInputError", "PrefillBalancer", "PrefillEngineView", "PrefixIndex", "PrefixMatch", "RankLoad",
-           "RebalanceSettings", "RoleSettings", "RoleState", "ScaleDecision", "count_oscillations", "decide",
-           "desired_instances", "length_bucket", "match_digests", "match_tokens", "migration_pause_s", "num_patches",
-           "pick_decode_rank", "pick_prefill_group", "pick_prefill_rank", "pick_vision_card", "plan_moves",
-           "reassign_engines", "request_quota", "resize_buckets", "route_prefill"]
+           "RebalanceSettings", "RoleSettings", "RoleState", "ScaleDecision", "SlotRule", "count_oscillations",
+           "decide", "desired_instances", "length_bucket", "match_digests", "match_tokens", "matched_step_budget",
+           "migration_pause_s", "num_patches", "pick_decode_rank", "pick_prefill_group", "pick_prefill_rank",
+           "pick_prefill_slot", "pick_vision_card", "plan_moves", "reassign_engines", "request_quota",
+           "resize_buckets", "route_prefill"]

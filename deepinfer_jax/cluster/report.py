@@ -8,16 +8,16 @@ __all__ = ["day_table", "plot_results", "sim_table"]
 
 
 def sim_table(results) -> str:
-    """One row per (trace, policy): TTFT p50/p99 per bucket (ms), TPOT, the balance readings
-    (``SimResult``), occupancy, throughput, hits, decode migrations. ``trace`` is the result's trace name."""
+    """One row per (trace, policy): TTFT p50/p99 per bucket (ms), TPOT, the balance readings and
+    bounds (``SimResult``), occupancy, throughput, hits, decode migrations. ``trace`` is the result's trace name."""
     head = ("| trace | policy | TTFT p50/p99 ms <16K | 16-64K | 64-256K | >=256K | TPOT p50/p99 ms |"
-            " prefill max/mean step | prefill max/mean window | decode max/mean attn | decode bound |"
+            " prefill max/mean step | prefill bound | prefill max/mean window | decode max/mean attn | decode bound |"
             " decode max/mean step cost | rows/rank | out tok/s | hit | prefill util | migrations |")
-    lines = [head, "|" + "---|" * 17]
+    lines = [head, "|" + "---|" * 18]
     for r in results:
         cells = [f"{p50:.0f}/{p99:.0f}" if n else "-" for (p50, p99, n) in r.ttft_ms.values()]
         lines.append(f"| {r.trace} | {r.policy} | " + " | ".join(cells) +
-                     f" | {r.tpot_ms[0]:.2f}/{r.tpot_ms[1]:.2f} | {r.prefill_balance:.3f} |"
+                     f" | {r.tpot_ms[0]:.2f}/{r.tpot_ms[1]:.2f} | {r.prefill_balance:.3f} | {r.prefill_bound:.3f} |"
                      f" {r.prefill_window_balance:.3f} | {r.decode_balance:.3f} | {r.decode_bound:.3f} |"
                      f" {r.decode_step_balance:.3f} | {r.decode_rows:.1f} | {r.output_tok_s:,.0f} | {r.hit_rate:.1%} |"
                      f" {r.prefill_util:.2f} | {r.migrations} |")
@@ -60,13 +60,14 @@ def plot_results(results, out_dir: str | Path, days=()) -> list[Path]:
         w = 0.8 / len(readings)
         for k, (label, attr) in enumerate(readings):
             axes[0].bar(x + (k - 1.5) * w, [getattr(r, attr) for r in rs], w, label=label)
+        axes[0].plot(x - 1.5 * w, [r.prefill_bound for r in rs], "b_", ms=12, label="prefill bound")
         axes[0].plot(x, [r.decode_bound for r in rs], "k_", ms=20, label="decode bound")
         axes[0].axhline(1.10, color="k", ls="--", lw=0.8)
         axes[0].axhline(1.5, color="r", ls=":", lw=0.8)
         axes[0].set_xticks(x, names)
         axes[0].set_ylabel("max / mean")
         axes[0].set_title(f"{trace}: balance (dashed 1.10 target, dotted 1.5)")
-        axes[0].legend(fontsize=7)
+        axes[0].legend(fontsize=7, loc="lower center", ncol=3)  # over the bars' feet, not their tops
         buckets = list(rs[0].ttft_ms)
         wb = 0.8 / len(buckets)
         for k, b in enumerate(buckets):

@@ -6,15 +6,18 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
 * **Entry**: the request's block chain is matched against the store index (``prefix_index``):
   hit and uncached tokens are known before routing; quota = ``cost(q, c)``.
 * **Prefill** engines of ``prefill_ranks`` DP ranks step in lockstep: each rank fills the step
-  budget from its FIFO queue with the cost model's chunking (``CostModel.largest_q``, layer 4), a
+  budget from its FIFO queue with the cost model's chunking (``CostModel.largest_q``, layer 4; for
+  ``deepinfer*`` the budget of a step where every rank has work is ``matched_step_budget``), a
   step lasts ``a0 + max over ranks`` of the chunk costs. A finished prompt writes its blocks to
-  the index and is handed to decode at once (TTFT = prefill end - arrival).
+  the index and is handed to decode at once (TTFT = prefill end - arrival). ``gather_ns`` (off by
+  default, every policy): an idle engine given fewer requests than ranks waits for more first.
 * **Decode** instances of ``decode_ranks`` ranks step in lockstep with ``DecodeStepModel``; every
   running request gains ``tokens_per_step`` tokens per step. The simulation is exact between
   events for the step count and re-reads the step time at every event (arrival, finish, and a
   refresh every ``decode_refresh_s``, since KV grows between them). A finished request writes the
   blocks its output completed (TPOT = decode time / output tokens).
-* **Policies**: ``deepinfer`` (the prefill balancer's four layers, ``pick_decode_rank``) against
+* **Policies**: ``deepinfer`` (the prefill balancer's four layers with a ``SlotRule`` fed each rank's
+  waiting work and the time left of each engine's running step, ``pick_decode_rank``) against
   ``round_robin``, ``request_count`` (vLLM-router style: fewest outstanding requests) and
   ``random``, each over all ranks, flat; ``deepinfer_migrate``: ``deepinfer`` plus a rebalance every
   ``RebalanceSettings.tick_s`` (``decode_rebalance.plan_moves`` over all decode ranks): a moved
@@ -25,7 +28,11 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
 Balance readings, each ``sum of the max / sum of the mean`` over samples in the measured window (a
 ratio of averages, so idle moments never divide by zero; docs/cluster.md): ``prefill_balance``,
 every lockstep step of every engine, its ranks' chunk costs (the step lasts as long as the slowest
-rank, the others pad: the ``moe_lb`` reading of engine.md §3 for attention ranks);
+rank, the others pad: the ``moe_lb`` reading of engine.md §3 for attention ranks), with
+``prefill_bound`` (the max replaced by the step's work over ``min(requests the engine holds,
+ranks)``: an engine holding fewer requests than ranks pads whatever the rank placement) and
+``prefill_bound_tier`` (the same with the requests all prefill engines hold: what gathering them
+could reach, by making requests wait for a partner);
 ``prefill_window_balance``, every ``window_s`` the quota each of all prefill ranks ran;
 ``decode_balance``, every ``sample_s`` the attention cost ``d2 * kv`` of every rank of every
 instance, with ``decode_bound`` (the max replaced by ``max(largest running request, mean)``: no
@@ -46,7 +53,8 @@ import numpy as np
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
 from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings, migration_pause_s, plan_moves
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
-from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, length_bucket, request_quota
+from deepinfer_jax.cluster.prefill_balancer import (PrefillBalancer, SlotRule, length_bucket, matched_step_budget,
+                                                    request_quota)
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_digests
 from deepinfer_jax.cluster.step_models import DecodeStepModel, production_prefill_model
 from deepinfer_jax.cluster.traces import Trace
@@ -98,6 +106,8 @@ class SimResult:
     decode_bound: float    # the least decode max/mean any placement could reach (largest request / mean)
     decode_step_balance: float     # max/mean of the whole rank step cost d1 * rows + d2 * kv
     migrations: int = 0            # decode requests moved by the rebalancer (deepinfer_migrate)
+    prefill_bound: float = float("nan")  # per step: the work over min(requests the engine holds, ranks)
+    prefill_bound_tier: float = float("nan")  # the same over the requests all prefill engines hold
 
 
 class _Job:
@@ -109,15 +119,25 @@ class _Job:
 
 def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
              decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
-             drain_s: float = 120.0, rebalance: RebalanceSettings = RebalanceSettings()) -> SimResult:
+             drain_s: float = 120.0, rebalance: RebalanceSettings = RebalanceSettings(),
+             pairing: float | None = 4.0, tie_ns: float = 5e6, match_floor_ns: float | None = 10e6,
+             bucket_penalty_ns: float | None = 20e6, gather_ns: float = 0.0) -> SimResult:
     """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
-    (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``."""
+    (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``; ``pairing``,
+    ``tie_ns``, ``match_floor_ns`` and ``bucket_penalty_ns`` are the prefill balancer's ``SlotRule`` for
+    ``deepinfer*`` (``pairing=None``: the rule before it, hard buckets, most remaining quota then least
+    backlog, whole-budget chunks). ``gather_ns`` is an engine setting for
+    every policy (0: off): an idle prefill engine that gets fewer requests than ranks waits up to
+    that long, or until every rank has one, before its first step."""
     if policy not in POLICIES:
         raise PolicyInputError("policy", f"must be one of {POLICIES}, got {policy!r}")
     if not trace.requests:
         raise PolicyInputError("trace", "has no requests")
+    check_number("gather_ns", gather_ns)
     cm = cost_model or production_prefill_model()
     a0 = float(cm.coef[0])
+    slot = None if pairing is None else SlotRule(a0, shape.step_budget_ns, pairing, tie_ns, match_floor_ns,
+                                                  bucket_penalty_ns)
     dm = decode_model or DecodeStepModel()
     tps = dm.tokens_per_step
     warm = trace.duration_s * 0.2 if warmup_s is None else warmup_s
@@ -128,8 +148,12 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     queues = [[deque() for _ in range(R)] for _ in range(E)]
     backlog = [[0.0] * R for _ in range(E)]
     stepping = [False] * E
+    running_cost = [[0.0] * R for _ in range(E)]  # each rank's chunk cost in the step now running
+    step_end = [0.0] * E  # the end of the running step (or of an idle engine's gather wait)
+    gathering = [False] * E
     ours = policy in ("deepinfer", "deepinfer_migrate")
-    balancer = PrefillBalancer(E, shape.round_s * 1e9) if ours else None
+    balancer = PrefillBalancer(E, shape.round_s * 1e9, slot=slot) if ours else None
+    match_floor = slot.match_floor_ns if ours and slot is not None else None  # layer 4, ours only
     # decode state
     rows = [[0] * DR for _ in range(D)]
     base = [[0.0] * DR for _ in range(D)]
@@ -152,6 +176,8 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
     ttft: dict[int, list] = {b: [] for b in range(4)}
     tpot: list = []
     samples_p: list = []
+    samples_pb: list = []  # the step's work over min(requests the engine holds, ranks): the prefill bound
+    samples_pc: list = []  # the same with the requests the whole prefill tier holds
     samples_d: list = []
     out_tokens = in_tokens = hit_tokens = 0
     quota_in = 0.0
@@ -180,9 +206,12 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
             dt = min(steps_left * step_ns[i] / 1e9, shape.decode_refresh_s)
             push(now + dt, "decode", (i, version[i]))
 
-    def route_prefill(req, quota):
+    def route_prefill(req, quota, now):
         if ours:
-            return balancer.route(req.num_tokens, quota, backlog)
+            waiting = [[max(0.0, backlog[e][r] - running_cost[e][r]) if stepping[e] else backlog[e][r]
+                        for r in range(R)] for e in range(E)]
+            busy = [max(0.0, step_end[e] - now) * 1e9 if stepping[e] or gathering[e] else 0.0 for e in range(E)]
+            return balancer.route(req.num_tokens, quota, backlog, None, waiting, busy)
         n = E * R
         if policy == "round_robin":
             k = counters["rr_p"] % n
@@ -209,35 +238,53 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
             k = min(range(n), key=lambda j: (rows[j // DR][j % DR], j))
         return k // DR, k % DR
 
+    def chunk(queue, budget, done=None):
+        """The chunks one rank runs in a step within ``budget`` (layer 4); their cost. With ``done``
+        (a list) the jobs advance and the finished ones are appended, else nothing changes."""
+        spent_all, left = 0.0, budget
+        for job in queue:
+            q = cm.largest_q(left, job.c, job.q)
+            if q <= 0:
+                if spent_all > 0:
+                    break
+                q = min(job.q, 128)  # a step always advances its first chunk
+            spent = cm.chunk_cost(q, job.c)
+            spent_all += spent
+            left -= spent
+            rest = job.q - q
+            if done is not None:
+                job.q, job.c = rest, job.c + q
+                if rest == 0:
+                    done.append(job)
+            if left <= 0 or rest > 0:
+                break
+        return spent_all
+
     def start_step(e, now):
+        held = sum(map(len, queues[e]))
+        budget = shape.step_budget_ns
+        if match_floor is not None:
+            budget = matched_step_budget([chunk(queues[e][r], budget) for r in range(R)], budget, match_floor)
         cost = [0.0] * R
         done = []
         for r in range(R):
-            left = shape.step_budget_ns
-            for job in queues[e][r]:
-                q = cm.largest_q(left, job.c, job.q)
-                if q <= 0:
-                    if cost[r] > 0:
-                        break
-                    q = min(job.q, 128)  # a step always advances its first chunk
-                spent = cm.chunk_cost(q, job.c)
-                cost[r] += spent
-                left -= spent
-                job.q -= q
-                job.c += q
-                if job.q == 0:
-                    done.append((r, job))
-                if left <= 0 or job.q > 0:
-                    break
+            finished = []
+            cost[r] = chunk(queues[e][r], budget, finished)
+            done.extend((r, job) for job in finished)
         stepping[e] = True
         if warm <= now < t_end:
             samples_p.append((max(cost), sum(cost) / R))
+            held_all = sum(len(q) for qs in queues for q in qs)
+            samples_pb.append((sum(cost) / min(held, R), sum(cost) / R))
+            samples_pc.append((sum(cost) / min(held_all, R), sum(cost) / R))
             w = int((now - warm) / shape.window_s)
             if w < n_windows:
                 row = windows[w]
                 for r in range(R):
                     row[e * R + r] += cost[r]
-        push(now + (a0 + max(cost)) / 1e9, "pstep", (e, done))
+        running_cost[e] = cost
+        step_end[e] = now + (a0 + max(cost)) / 1e9
+        push(step_end[e], "pstep", (e, done))
 
     def admit_decode(req, now):
         i, r = route_decode(req.num_tokens)
@@ -328,11 +375,23 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
                 hit_tokens += m.hit_tokens
                 in_tokens += req.num_tokens
                 quota_in += quota
-            e, r = route_prefill(req, quota)
+            e, r = route_prefill(req, quota, now)
             queues[e][r].append(_Job(req, q, c, length_bucket(req.num_tokens)))
             backlog[e][r] += quota
-            if not stepping[e]:
+            if gathering[e] and all(queues[e]):
+                gathering[e] = False  # every rank has work: no reason to wait longer
                 start_step(e, now)
+            elif not stepping[e] and not gathering[e]:
+                if gather_ns > 0 and not all(queues[e]):
+                    gathering[e] = True
+                    step_end[e] = now + gather_ns / 1e9
+                    push(step_end[e], "gather", e)
+                else:
+                    start_step(e, now)
+        elif kind == "gather":
+            if gathering[payload]:
+                gathering[payload] = False
+                start_step(payload, now)
         elif kind == "pstep":
             e, done = payload
             for r, job in done:
@@ -401,4 +460,4 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         hit_tokens / in_tokens if in_tokens else 0.0, finished, measured, quota_in / (E * R * span * 1e9),
         sum(rows_samples) / max(len(rows_samples), 1),
         ratio([(max(w), sum(w) / len(w)) for w in windows]), ratio(samples_bound), ratio(samples_step),
-        counters["moves"])
+        counters["moves"], ratio(samples_pb), ratio(samples_pc))
