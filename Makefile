@@ -51,7 +51,7 @@ checkpoint: $(VENV)/.runtime
 	$(PY) -m deepinfer_jax.checkpoint.make_random checkpoints/small-random --preset small --seed 0
 
 clean:
-	rm -rf $(VENV) .jax_cache .pytest_cache
+	rm -rf $(VENV) .jax_cache .jax_cache-* .pytest_cache
 
 # Retrain the default checkpoint from scratch (~38 min training + ~6 min evaluation on 2 cores), rewrite its card.
 train: $(VENV)/.test

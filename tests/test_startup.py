@@ -211,7 +211,7 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
     from deepinfer_jax.runner.program_store import StoredJit
 
     monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
-    monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "on")  # opt-in
+    monkeypatch.delenv("DEEPINFER_PROGRAM_STORE", raising=False)  # on by default
     traced, loaded = [], []
 
     def step(scale, state, x):
@@ -238,6 +238,14 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
         again(3, {1: jnp.ones(4)}, x)
     assert len(traced) == 2
     traced.pop()
+    from deepinfer_jax.ops import dispatch
+    from deepinfer_jax.runner import program_store
+
+    before, impls = program_store._context(), dispatch.TABLE["mhc_mix"]
+    monkeypatch.setitem(dispatch.TABLE, "mhc_mix", {**impls, "cpu": jnp.tanh})
+    assert program_store._context() != before  # a kernel registered at run time selects another program
+    monkeypatch.setitem(dispatch.TABLE, "mhc_mix", impls)
+    assert program_store._context() == before
     again(4, {1: jnp.ones(4)}, x)  # another static argument
     again(3, {1: jnp.ones(4)}, x[:2])  # another shape
     assert len(traced) == 3 and len(list((tmp_path / "xla-programs").iterdir())) == 4
@@ -250,6 +258,30 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
     assert len(traced) == 5 and len(list((tmp_path / "xla-programs").iterdir())) == 4
     plain = jax.jit(step, static_argnums=(0,))(3, {1: jnp.ones(4)}, x)  # the plain jit computes the same
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), plain, second))
+
+
+def test_program_store_keeps_only_programs_compiled_in_this_process(tmp_path, monkeypatch):
+    """A compile answered by the compilation cache is not stored (its executable does not serialize
+    again faithfully on XLA:CPU); the program still runs, and a real compile of it is stored."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.runner.program_store import StoredJit
+
+    monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
+    monkeypatch.delenv("DEEPINFER_PROGRAM_STORE", raising=False)
+    hit = [True]
+
+    def step(x):
+        if hit[0]:  # what JAX reports when the compilation cache answers the compile
+            jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+        return jnp.cos(x) * 2
+
+    x = jnp.arange(6.0)
+    assert np.allclose(StoredJit(step, "hit")(x), np.cos(np.arange(6.0)) * 2)
+    assert not (tmp_path / "xla-programs").exists()
+    hit[0] = False
+    StoredJit(step, "hit")(x)
+    assert len(list((tmp_path / "xla-programs").iterdir())) == 1
 
 
 def test_lazy_block_buckets_pad_into_a_compiled_wider_table_until_one_is_wanted_often():

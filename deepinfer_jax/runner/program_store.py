@@ -1,30 +1,30 @@
-"""Traced step programs kept on disk, so a warm process skips Python tracing as well as XLA.
+"""Compiled step programs kept on disk, so a warm process neither traces, lowers nor compiles them.
 
 The persistent compilation cache (``compile_cache``) saves XLA's compilation, but a new process
-still traces and lowers each step program in Python before the cache can even be asked (~2 s per
-speculative program on this machine, most of a warm start). ``stored_jit(fn, ...)`` is
-``jax.jit(fn, ...)`` plus a store: the first call of each signature in any process exports the
-traced program (``jax.export``: StableHLO, over the flattened array arguments) into
-``<compilation cache dir>-programs/``; later processes deserialize it (milliseconds) and run it
-under ``jax.jit(exported.call)``, whose XLA program the compilation cache then supplies. Every call
-in every process goes through the exported form, so cold and warm processes run the same program
-(bit-identical results; tested).
+still traces and lowers each step program in Python before that cache can even be asked (about 1-2 s
+per program on this machine, most of a warm start). ``stored_jit(fn, ...)`` is ``jax.jit(fn, ...)``
+plus a store: the first call of each signature on a machine compiles the step over its flattened
+array arguments (``jax.jit(...).lower(...).compile()``, which itself reads and fills the compilation
+cache) and writes the XLA executable (``jax.experimental.serialize_executable``) into
+``<compilation cache dir>-programs/``; a later process loads that executable (tens of milliseconds)
+and calls it directly. Both run the same executable, so cold and warm processes compute
+bit-identical results (tested, and against the plain jit).
 
-A signature is the static arguments' ``repr``, the kernel selection and matmul precision, the tree structure and the shapes/dtypes/weak types
-of the array arguments; a file's name also hashes the source of the whole ``deepinfer_jax`` package,
-the jax/jaxlib/flax versions, the backend and device kind, the x64 setting and every ``DEEPINFER_*``
-/ ``XLA_FLAGS`` environment variable, so an edited engine, another version, machine or kernel switch
-never reuses a stale program; an unreadable file is rebuilt.
+A signature is the static arguments' ``repr``, the kernel selection and its implementation table,
+the matmul precision, the tree structure and the shapes/dtypes/weak types of the array arguments; a
+file's name also hashes the source of the whole ``deepinfer_jax`` package, the jax/jaxlib/flax
+versions, the backend, device kind and the host CPU's feature flags, the x64 setting and every
+``DEEPINFER_*`` / ``XLA_FLAGS`` environment variable, so an edited engine, another version, machine or
+kernel switch never reuses a stale program; an unreadable file is compiled again. What the key
+cannot see is a function of the package replaced at run time (a monkeypatch): run such experiments
+with the store off.
 
-**Opt-in** (``DEEPINFER_PROGRAM_STORE=on``): measured on this machine (demo, process start to
-tokens, fresh caches, same minute), the store made the cold start 57.1 s instead of 34.7 s (the
-export lowers each program once more and the exported call compiles as its own module) and the
-warm start 16.4 s instead of 17.0 s, so it is off by default. It is also off when the compilation
-cache is off and for arguments spread over more than one device. ``on_build`` is called when a
-program is loaded instead of traced, so the runners' trace counters (incremented inside the traced
-functions) count the programs a process built either way. Off (plain ``jax.jit``) when the compilation cache is off, for arguments spread over
-more than one device, and with ``DEEPINFER_PROGRAM_STORE=off``. The directory is trusted code, like
-the compilation cache's.
+**On by default** wherever the compilation cache is on; ``DEEPINFER_PROGRAM_STORE=off`` turns it
+off, and it is off for arguments spread over more than one device (those programs take the plain
+jit and the compilation cache). ``on_build`` is called when a program is loaded instead of traced,
+so the runners' trace counters (incremented inside the traced functions) count the programs a
+process built either way. The directory is trusted code, like the compilation cache's: loading an
+executable runs native code.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -44,6 +45,21 @@ from deepinfer_jax import compile_cache
 __all__ = ["ENV", "StoredJit", "stored_jit"]
 
 ENV = "DEEPINFER_PROGRAM_STORE"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> str:
+    """The host CPU's feature flags (an executable compiled for AVX-512 must not run where it is missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + " " + platform.processor()
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,7 +74,7 @@ def _environment_digest() -> str:
         h.update(path.read_bytes())
     dev = jax.devices()[0]
     for part in (jax.__version__, jaxlib.__version__, flax.__version__, dev.platform, dev.device_kind,
-                 str(jax.config.jax_enable_x64)):
+                 str(jax.config.jax_enable_x64), _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()
 
@@ -72,17 +88,26 @@ def _aval(leaf) -> tuple:
     return tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False))
 
 
+def _impl_name(impl) -> str:
+    if not callable(impl):
+        return repr(impl)  # a lazy reference names its module and attribute
+    return f"{getattr(impl, '__module__', '')}.{getattr(impl, '__qualname__', impl)}"
+
+
 def _context() -> tuple:
     """What else selects a traced program: the kernel selection (``ops.dispatch.use_kernels``, a jit
-    key context) and the default matmul precision."""
+    key context), the implementations registered for each kernel (``dispatch.register`` can swap one
+    at run time) and the default matmul precision."""
     from deepinfer_jax.ops import dispatch
 
-    return dispatch.setting(), str(jax.config.jax_default_matmul_precision)
+    table = tuple(sorted((k, tuple(sorted((p, _impl_name(v)) for p, v in impls.items())))
+                         for k, impls in dispatch.TABLE.items()))
+    return dispatch.setting(), table, str(jax.config.jax_default_matmul_precision)
 
 
 def _store_dir() -> Path | None:
-    if os.environ.get(ENV, "off").strip().lower() not in ("on", "1", "true"):
-        return None  # opt-in: measured, it costs a cold start more than it saves a warm one
+    if os.environ.get(ENV, "on").strip().lower() in compile_cache.OFF_VALUES:
+        return None
     xla = compile_cache.cache_dir()
     return None if xla is None else xla.with_name(xla.name + "-programs")
 
@@ -91,8 +116,30 @@ def _multi_device(leaves) -> bool:
     return any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves)
 
 
+def _device(leaves):
+    """The one device the step's arrays live on (the default device when none is placed yet)."""
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            return next(iter(x.sharding.device_set))
+    return jax.devices()[0]
+
+
+#: Compilation-cache hits on this thread. An XLA:CPU executable that came from the compilation cache
+#: does not serialize again faithfully (the loaded copy then misses functions), so only a program this
+#: process really compiled is stored.
+_hits = threading.local()
+
+
+def _count_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
 class StoredJit:
-    """``jax.jit(fn, static_argnums, donate_argnums)`` with its traced programs stored (see the
+    """``jax.jit(fn, static_argnums, donate_argnums)`` with its compiled programs stored (see the
     module docstring). ``name`` names the files."""
 
     def __init__(self, fn: Callable, name: str, static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
@@ -121,7 +168,7 @@ class StoredJit:
         return jax.tree.unflatten(out_tree, call(*leaves))
 
     def lower(self, *args):
-        """The plain jit's lowering (for HLO inspection; the stored form runs the same program)."""
+        """The plain jit's lowering (for HLO inspection; the stored form compiles the same computation)."""
         return self._plain.lower(*args)
 
     # -- building ----------------------------------------------------------------------------
@@ -137,29 +184,23 @@ class StoredJit:
         return tuple(out)
 
     def _program(self, where: Path, args, statics, in_tree, leaves):
-        from jax import export
-
-        text = "\n".join([self.name, repr(statics), repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]), _env_flags(),
-                          _environment_digest()])
+        device = _device(leaves)
+        text = "\n".join([self.name, repr(statics), repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
+                          f"device {device.id}", _env_flags(), _environment_digest()])
         path = where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
-        exported = out_tree = None
         if path.exists():
-            try:
-                with open(path, "rb") as f:
-                    blob, out_tree = pickle.load(f)
-                exported = export.deserialize(blob)
-            except Exception:  # noqa: BLE001 - a damaged or foreign file: trace again
-                exported = None
-        if exported is None:
-            exported, out_tree = self._export(args, in_tree, leaves)  # traces fn (its own counters count it)
-            self._save(path, exported, out_tree)
-        elif self.on_build is not None:
-            self.on_build()
-        return jax.jit(exported.call, donate_argnums=self._donated_leaves(args)), out_tree
+            loaded = _load(path, device)
+            if loaded is not None:
+                if self.on_build is not None:
+                    self.on_build()
+                return loaded
+        hits = getattr(_hits, "n", 0)
+        compiled, out_tree = self._compile(args, in_tree, leaves)  # traces fn (its own counters count it)
+        if getattr(_hits, "n", 0) == hits:  # compiled here, not loaded from the compilation cache
+            _save(path, compiled, out_tree)
+        return compiled, out_tree
 
-    def _export(self, args, in_tree, leaves):
-        from jax import export
-
+    def _compile(self, args, in_tree, leaves):
         static = self.static
         box = []
 
@@ -170,20 +211,38 @@ class StoredJit:
             box.append(out_tree)
             return out_leaves
 
-        specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in map(_aval, leaves)]
-        exported = export.export(jax.jit(flat))(*specs)
-        return exported, box[0]
+        compiled = jax.jit(flat, donate_argnums=self._donated_leaves(args)).lower(*leaves).compile()
+        return compiled, box[0]
 
-    @staticmethod
-    def _save(path: Path, exported, out_tree) -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump((exported.serialize(), out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)
-        except (OSError, ImportError, TypeError, pickle.PicklingError):
-            pass  # an unwritable store (or no flatbuffers) only costs the next process a trace
+
+def _load(path: Path, device):
+    """(the loaded executable on ``device``, the step's output tree) from a file, or None for a damaged or
+    foreign one."""
+    from jax.experimental import serialize_executable
+
+    try:
+        with open(path, "rb") as f:
+            blob, in_tree, out_tree, fn_out_tree = pickle.load(f)
+        return (serialize_executable.deserialize_and_load(blob, in_tree, out_tree, execution_devices=[device]),
+                fn_out_tree)
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: compile again
+        return None
+
+
+def _save(path: Path, compiled, fn_out_tree) -> None:
+    from jax.experimental import serialize_executable
+
+    tmp = None
+    try:
+        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((blob, in_tree, out_tree, fn_out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - not serializable here, or an unwritable store: the next process compiles
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def stored_jit(fn: Callable, name: str, static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
