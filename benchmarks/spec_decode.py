@@ -134,8 +134,8 @@ def _recording(observe, trace: list):
 
     def wrapped(chunks, results, pending, planned, device_ns):
         for i, (c, res) in enumerate(zip(chunks, results)):
-            if c.verify and res and pending.verified[i] == K and c.request.next_conf is not None:
-                trace.append((np.asarray(c.request.next_conf, float).tolist(), len(res) - 1))
+            if c.verify and res and pending.verified[i] == K and c.request.spec.next_conf is not None:
+                trace.append((np.asarray(c.request.spec.next_conf, float).tolist(), len(res) - 1))
         observe(chunks, results, pending, planned, device_ns)
 
     return wrapped

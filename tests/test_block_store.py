@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.cache.block_store import FileBlockStore, HostBlockStore, StoreError
+from deepinfer_jax.engine.request import CacheState
 
 FP = bytes(range(32))
 
@@ -101,7 +102,7 @@ class _Req:
     """The fields of ``engine.Request`` that ``PrefixCache.match`` reads."""
 
     def __init__(self, ids):
-        self.prompt_ids, self.output_ids, self.digests = list(ids), [], []
+        self.prompt_ids, self.output_ids, self.cache = list(ids), [], CacheState()
 
     @property
     def num_tokens(self):

@@ -25,6 +25,7 @@ from deepinfer_jax.config import EngineConfig
 from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
 from deepinfer_jax.engine.core import EngineCore
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
+from deepinfer_jax.engine.request import GrammarState, SpecState
 
 PRESETS = ("cpu-dp2-ep4", "cpu-dp1-ep8", "cpu-dp8-ep1")
 
@@ -312,8 +313,8 @@ def test_spec_plan_ranks_plans_each_rank_alone_and_counts_one_step():
     times = StepTimes((8, 16, 32), (1e6, 1.1e6, 2e6))
 
     def chunk(verify, seed=None, conf=0.9):
-        req = SimpleNamespace(matcher=None, params=SamplingParams(temperature=0, seed=seed), has_drafts=True,
-                              next_conf=np.full(k, conf))
+        req = SimpleNamespace(grammar=GrammarState(), params=SamplingParams(temperature=0, seed=seed),
+                              spec=SpecState(has_drafts=True, next_conf=np.full(k, conf)))
         return SimpleNamespace(verify=verify, request=req, num_tokens=1 + k if verify else 6, sample=True)
 
     def planner():

@@ -273,8 +273,8 @@ class DecodeInstance(_Role):
             if r.output_ids and r.slot is not None and r.num_computed == r.num_tokens - 1 and not r.num_pending:
                 state = self._state(r, r.num_computed)
                 data = encode_handoff(self._handoff(r, r.output_ids, r.logprobs, state, "forward"))
-            elif r.admit_state is not None and r.admit_state.length == r.num_tokens - 1:  # admitted, not run yet
-                a, full = r.admit_state, r.admit_state.length // self.block_size
+            elif (a := r.cache.admit_state) is not None and a.length == r.num_tokens - 1:  # admitted, not run yet
+                full = a.length // self.block_size
                 data = encode_handoff(Handoff(
                     r.request_id, list(r.prompt_ids), list(r.output_ids), self.block_size, self.model,
                     [d.hex() for d in self.prefix.digests(r)[:full]], a.slot_state,

@@ -258,11 +258,11 @@ class EngineCore:
                 raise RequestError("output_ids", f"ids must lie in [0, {self.vocab_size}), got {t}")
             req.output_ids.append(t)
             req.detok.push(t)
-            if req.matcher is not None:
-                req.matcher.consume(t)
+            if req.grammar.matcher is not None:
+                req.grammar.matcher.consume(t)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs = list(logprobs)
-        req.prompt_logprobs, req.num_cached_tokens, req.admit_state = prompt_logprobs, num_cached_tokens, admit
+        req.prompt_logprobs, req.num_cached_tokens, req.cache.admit_state = prompt_logprobs, num_cached_tokens, admit
         self._enqueue(req, rank)
         return req.request_id
 
@@ -288,7 +288,7 @@ class EngineCore:
         req = Request(rid, number, prompt, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop_strings),
                       arrival)
         if params.constraint is not None:
-            req.matcher = self.structured.matcher(params.constraint)
+            req.grammar.matcher = self.structured.matcher(params.constraint)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_scorer()(ids, params.prompt_logprobs)
         self.requests[rid] = req
@@ -351,8 +351,8 @@ class EngineCore:
             if self.spec is not None:  # every rank's verification planned on its own
                 budgets, caps, planned, drafts = self.spec.plan_ranks([p.chunks for p in plans], fresh=prev is None)
             specs = [[self._spec(c, caps[d].get(i)) for i, c in enumerate(p.chunks)] for d, p in enumerate(plans)]
-            rows = [(c.request.matcher, i) for i, c in enumerate(plan.chunks)
-                    if c.sample and c.request.matcher is not None]  # (matcher, chunk index)
+            rows = [(c.request.grammar.matcher, i) for i, c in enumerate(plan.chunks)
+                    if c.sample and c.request.grammar.matcher is not None]  # (matcher, chunk index)
             masks = None
             if rows and not self.structured.overlap:  # the baseline: masks first, the device waits
                 if prev is not None:  # the masks need the previous step's tokens
@@ -440,17 +440,17 @@ class EngineCore:
         before the step; engine roles: a whole slot from another engine."""
         for c in chunks:
             at = self.rank_args(c.request)
-            if c.request.uploads:
-                ids, payloads = zip(*c.request.uploads)
+            if c.request.cache.uploads:
+                ids, payloads = zip(*c.request.cache.uploads)
                 self.runner.write_blocks(list(ids), list(payloads), **at)
-                c.request.uploads = None
-            if c.request.slot_state is not None:  # engine roles: the whole slot from another engine
-                self.runner.restore_slot(c.request.slot, c.request.slot_state, **at)
-                c.request.slot_state = None
-            if c.request.restore is not None:
-                pos, snap = c.request.restore
+                c.request.cache.uploads = None
+            if c.request.cache.slot_state is not None:  # engine roles: the whole slot from another engine
+                self.runner.restore_slot(c.request.slot, c.request.cache.slot_state, **at)
+                c.request.cache.slot_state = None
+            if c.request.cache.restore is not None:
+                pos, snap = c.request.cache.restore
                 self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos), pos, **at)
-                c.request.restore = None
+                c.request.cache.restore = None
 
     def _copies_behind(self, step: _InFlight) -> None:
         """Prefix caching: window copies and every rank's newly cached block reads right behind the model step."""
@@ -474,13 +474,14 @@ class EngineCore:
                 continue
             if c.verify:  # it may cross a block boundary: copy now, keep it if it did (``_crossed``)
                 hi = r.max_tokens_on_device - 1  # the latest boundary this step can reach
-                if hi // bs * bs > c.start and not r.approximate and not r.decoder_from:
+                if hi // bs * bs > c.start and not r.replay.approximate and not r.replay.decoder_from:
                     step.crossings[i] = self.runner.snapshot_swa(r.slot, **self.rank_args(r))
-            elif end in r.snapshot_points:
+            elif end in r.cache.snapshot_points:
                 step.snapshots.append((r, end, self.runner.snapshot_swa(r.slot, **self.rank_args(r))))
-                r.snapshot_points.remove(end)
-            elif end % bs == 0 and c.start >= len(r.prompt_ids) and not r.approximate and not r.decoder_from:
-                r.swa_copy = (end, self.runner.snapshot_swa(r.slot, **self.rank_args(r)))
+                r.cache.snapshot_points.remove(end)
+            elif (end % bs == 0 and c.start >= len(r.prompt_ids) and not r.replay.approximate
+                  and not r.replay.decoder_from):
+                r.cache.swa_copy = (end, self.runner.snapshot_swa(r.slot, **self.rank_args(r)))
 
     def _save_snapshot(self, r: Request, position: int, arrays) -> None:
         # digests and the window store are every rank's (``engine.ranks.check_schedulers`` shares rank 0's)
@@ -498,15 +499,16 @@ class EngineCore:
             sample = SampleSpec(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                                 seed=p.seed if seeded else self.seed, stream=0 if seeded else r.number,
                                 position=c.start + c.num_tokens - len(r.prompt_ids))
-        common = dict(slot=r.slot, block_table=r.blocks.block_ids, sample=sample, window_floor=r.window_floor,
-                      global_write_from=r.write_from, decoder_from=r.decoder_from, decoder_floor=r.decoder_from)
+        common = dict(slot=r.slot, block_table=r.blocks.block_ids, sample=sample, window_floor=r.replay.window_floor,
+                      global_write_from=r.replay.write_from, decoder_from=r.replay.decoder_from,
+                      decoder_floor=r.replay.decoder_from)
         if c.verify:  # the anchor's position is known only on the device: pass its upper bound
             cap, forced = verify
             return ChunkSpec(ctx_len=r.max_tokens_on_device - c.num_tokens - 1, token_ids=[0], verify=True,
                              max_drafts=cap, forced=forced, limit=self.scheduler.max_model_len,
                              prompt_len=len(r.prompt_ids), **common)
         ids = [0] if c.feed_last else r.known_tokens(c.start, c.start + c.num_tokens)
-        extra = {} if self.spec is None else dict(prompt_len=len(r.prompt_ids), ctx_from=r.ctx_from)
+        extra = {} if self.spec is None else dict(prompt_len=len(r.prompt_ids), ctx_from=r.spec.ctx_from)
         return ChunkSpec(ctx_len=c.start, token_ids=ids, feed_last=c.feed_last, context_parallel=c.context_parallel,
                          **common, **extra)
 
@@ -534,8 +536,8 @@ class EngineCore:
         results = [[res] if isinstance(res, tuple) else res for res in results]  # per chunk: its tokens
         for chunk, res in zip(step.plan.chunks, results):
             r = chunk.request
-            if res and not r.finished and r.matcher is not None and not r.matcher.consume(res[0][0]):
-                r.grammar_error = r.matcher.error() or f"token {res[0][0]} is not allowed by the grammar"
+            if res and not r.finished and r.grammar.matcher is not None and not r.grammar.matcher.consume(res[0][0]):
+                r.grammar.error = r.grammar.matcher.error() or f"token {res[0][0]} is not allowed by the grammar"
         if on_tokens is not None:
             on_tokens()
         self.stats.wait_s += ready - t0
@@ -562,8 +564,8 @@ class EngineCore:
             if res is None or r.finished:
                 continue
             r.num_pending -= 1
-            r.pending_max -= chunk.num_tokens if chunk.verify else 1
-            if chunk.verify and r.decoding:  # the anchor and the accepted drafts are in the cache now
+            r.spec.pending_max -= chunk.num_tokens if chunk.verify else 1
+            if chunk.verify and r.spec.decoding:  # the anchor and the accepted drafts are in the cache now
                 r.num_computed = max(r.num_computed, step.pending.anchors[i] + len(res))
                 if i in step.crossings:
                     self._crossed(r, step.pending.anchors[i], len(res), step.crossings[i])
@@ -590,7 +592,7 @@ class EngineCore:
         bs = self.scheduler.block_size
         b = (anchor + produced) // bs * bs
         if produced and b > anchor:
-            r.swa_copy = (b, arrays)
+            r.cache.swa_copy = (b, arrays)
 
     @staticmethod
     def _observed_shape(step: _InFlight) -> list[tuple[int, int]]:
@@ -613,8 +615,8 @@ class EngineCore:
             r.logprobs.append(TokenLogprobs(token, logprob, {int(i): float(v) for i, v in zip(top_ids[:k], top_lps[:k])}))
         stop_str = r.detok.push(token)
         reason = stop_reason = None
-        if r.grammar_error is not None:
-            reason, stop_reason = "error", r.grammar_error
+        if r.grammar.error is not None:
+            reason, stop_reason = "error", r.grammar.error
         elif p.stop_token_ids and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif token == self.eos_token_id and not p.ignore_eos:
@@ -639,8 +641,8 @@ class EngineCore:
                 new, prefix.new_blocks = prefix.new_blocks, []
                 self._late_writeback.append(([d for _, d in new],
                                              self.runner.read_blocks([b for b, _ in new], **self.rank_args(r))))
-        if r.swa_copy is not None and prefix is not None:
-            self._save_snapshot(r, *r.swa_copy)
-        r.swa_copy = None
+        if r.cache.swa_copy is not None and prefix is not None:
+            self._save_snapshot(r, *r.cache.swa_copy)
+        r.cache.swa_copy = None
         scheduler.finish(r, reason, stop_reason)
         self._rank.pop(r.request_id, None)

@@ -36,10 +36,10 @@ def cp_chunk_len(sched, r) -> int:
     """After admission's prefix lookup: the tokens of request ``r`` that run as one CP chunk (0 = none: an
     ordinary chunk). The chunk stops at the request's first prefix-cache snapshot point (the window is saved
     there, so a repeat of the prompt hits; the few tokens after it run as ordinary chunks)."""
-    if r.approximate:
+    if r.replay.approximate:
         return 0
     q = r.num_tokens - r.num_computed
-    nxt = next((p for p in r.snapshot_points if p > r.num_computed), 0)
+    nxt = next((p for p in r.cache.snapshot_points if p > r.num_computed), 0)
     if nxt:
         q = min(q, nxt - r.num_computed)
     return q if q >= sched.cp_threshold else 0

@@ -52,11 +52,11 @@ class PrefixCache:
         """The digests of ``r``'s full blocks of known tokens (extended incrementally)."""
         known = len(r.prompt_ids) + len(r.output_ids)
         full = known // self.block_size
-        if len(r.digests) < full:
-            parent = r.digests[-1] if r.digests else ROOT_DIGEST
-            tokens = r.known_tokens(len(r.digests) * self.block_size, full * self.block_size)
-            r.digests += block_digests(tokens, self.block_size, self.extra, parent)
-        return r.digests
+        if len(r.cache.digests) < full:
+            parent = r.cache.digests[-1] if r.cache.digests else ROOT_DIGEST
+            tokens = r.known_tokens(len(r.cache.digests) * self.block_size, full * self.block_size)
+            r.cache.digests += block_digests(tokens, self.block_size, self.extra, parent)
+        return r.cache.digests
 
     def digest_at(self, r: Request, position: int) -> bytes | None:
         """The digest of the block ending at ``position`` (a block boundary > 0) if its tokens are known."""
@@ -153,18 +153,18 @@ class PrefixCache:
 
     def register(self, r: Request) -> None:
         """Index ``r``'s blocks whose KV is written (or being written) and whose tokens are known."""
-        if r.blocks is None or r.approximate:  # approximate states never enter the cache
+        if r.blocks is None or r.replay.approximate:  # approximate states never enter the cache
             return
         known = len(r.prompt_ids) + len(r.output_ids)
         full = min(r.num_computed, known) // self.block_size
-        if full <= r.registered:
+        if full <= r.cache.registered:
             return
         digests = self.digests(r)
         blocks = r.blocks.block_ids
-        for k in range(r.registered, full):
+        for k in range(r.cache.registered, full):
             if self.pool.register(blocks[k], digests[k]) and self.host is not None:
                 self.new_blocks.append((blocks[k], digests[k]))
-        r.registered = full
+        r.cache.registered = full
 
     def snapshot_positions(self, r: Request) -> list[int]:
         """Where prefill saves windows: ``P = floor((L - 1) / B) * B`` (engine.md §1.2: what a longer

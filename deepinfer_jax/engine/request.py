@@ -1,17 +1,18 @@
-"""One request's host-side state: tokens, progress through the cache, lifetime, output."""
+"""One request's host-side state: tokens, progress through the cache, lifetime, output, and one small
+record per feature (prefix cache, bounded replay, structured output, speculative decoding)."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer_jax.cache import RequestBlocks
 from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from deepinfer_jax.engine.sampling_params import SamplingParams
 
-__all__ = ["AdmitState", "Request", "Status"]
+__all__ = ["AdmitState", "CacheState", "GrammarState", "ReplayState", "Request", "SpecState", "Status"]
 
 
 @dataclass
@@ -24,6 +25,71 @@ class AdmitState:
     length: int
     payloads: list
     slot_state: dict
+
+
+@dataclass(slots=True)
+class CacheState:
+    """What the prefix cache knows of a request, and the cache contents to load into its slot and
+    blocks before its next step (from the lower tiers, a saved window, or another engine)."""
+
+    digests: list[bytes] = field(default_factory=list)
+    """Chained hashes of the full blocks of its known tokens, extended lazily (``PrefixCache.digests``)."""
+    registered: int = 0
+    """How many of its leading blocks are indexed in the block pool (shareable by other requests)."""
+    snapshot_points: list[int] = field(default_factory=list)
+    """Prefill positions whose sliding-window state is still to be saved once a step reaches them."""
+    swa_copy: tuple | None = None
+    """``(position, device arrays)``: the window at its latest decode block boundary, saved when it ends."""
+    restore: tuple | None = None
+    """``(position, snapshot)``: a saved window to put into its slot before its next step."""
+    uploads: list | None = None
+    """``[(device block, payload)]`` read from the lower tiers, written to the device before its next step."""
+    admit_state: AdmitState | None = None
+    """State computed elsewhere (engine roles): it is admitted at that length and nothing before is recomputed."""
+    slot_state: dict | None = None
+    """An ``AdmitState``'s slot state, restored into its slot before its next step."""
+
+
+@dataclass(slots=True)
+class ReplayState:
+    """Bounded replay: a cache hit whose window state is rebuilt by rerunning only the hit's last
+    tokens (approximate), and the decoder replay that runs earlier positions through the encoder only."""
+
+    approximate: bool = False
+    """Its hit came through bounded replay: its state is approximate, so nothing it computes is cached."""
+    window_floor: int = 0
+    """Sliding windows see no position below this (the start of the replayed tokens)."""
+    write_from: int = 0
+    """Block KV below this position is reused from the cache and never rewritten."""
+    decoder_from: int = 0
+    """Decoder bounded replay: positions before this run the encoder only."""
+
+
+@dataclass(slots=True)
+class GrammarState:
+    """Structured output: the grammar its sampled tokens must follow."""
+
+    matcher: object | None = None
+    """The grammar's state (an ``engine.structured.Matcher``), advanced by each reconciled token;
+    ``None`` when the request has no constraint."""
+    error: str | None = None
+    """Why a generated token broke the grammar; set, the request finishes with reason ``"error"``."""
+
+
+@dataclass(slots=True)
+class SpecState:
+    """Speculative decoding: its drafts on the device and how far its launched steps may reach."""
+
+    decoding: bool = False
+    """Its last prefill chunk sampled: each later step verifies drafts on the device."""
+    pending_max: int = 0
+    """The most tokens its launched, not yet reconciled steps may still add (``num_pending`` counts the fewest)."""
+    ctx_from: int = 0
+    """The first position computed since admission: the drafter's context starts there."""
+    next_conf: object | None = None
+    """The confidences of the drafts its next verification will see (a stale host copy)."""
+    has_drafts: bool = False
+    """The step that produced its newest token also drafted the block after it."""
 
 
 class Status(enum.Enum):
@@ -39,11 +105,17 @@ class Request:
     ``num_pending`` counts sampled tokens still on the device (asynchronous scheduling: the host
     learns them one step late), so the request's length is ``len(prompt) + len(output) + pending``.
 
-    Speculative decoding: once ``decoding``, each step the request is in verifies drafts on the device
-    and adds between 1 and ``1 + drafts`` tokens the host learns only when it reconciles the step;
-    ``num_pending`` then counts one token per such step (a lower bound) and ``pending_max`` the most
-    they may add, and ``num_computed`` is a lower bound (``len(prompt) + len(output) - 1`` once
-    reconciled: everything before the newest token).
+    Speculative decoding: once ``spec.decoding``, each step the request is in verifies drafts on the
+    device and adds between 1 and ``1 + drafts`` tokens the host learns only when it reconciles the
+    step; ``num_pending`` then counts one token per such step (a lower bound) and ``spec.pending_max``
+    the most they may add, and ``num_computed`` is a lower bound (``len(prompt) + len(output) - 1``
+    once reconciled: everything before the newest token).
+
+    The fields every part of the engine reads (identity, tokens, parameters, status, progress, slot,
+    blocks, lifetime and output) are on the request itself; the state one feature keeps is in a
+    record of its own: ``cache`` (:class:`CacheState`: prefix cache and state loaded from elsewhere),
+    ``replay`` (:class:`ReplayState`: bounded replay), ``grammar`` (:class:`GrammarState`: structured
+    output) and ``spec`` (:class:`SpecState`: speculative decoding).
     """
 
     def __init__(self, request_id: str, number: int, prompt: str | None, prompt_ids: list[int],
@@ -67,27 +139,10 @@ class Request:
         self.finished_time: float | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0
-        # prefix cache
-        self.digests: list[bytes] = []  # of full blocks of known tokens
-        self.registered = 0  # blocks indexed in the pool
-        self.snapshot_points: list[int] = []  # prefill positions whose windows are still to be saved
-        self.swa_copy = None  # (position, device arrays): the latest decode boundary's window
-        self.restore = None  # (position, snapshot) to put into the slot before the next step
-        self.uploads = None  # [(device block, payload)] from the lower tiers, written before the next step
-        self.admit_state: AdmitState | None = None  # computed elsewhere: admitted at its length, nothing recomputed
-        self.slot_state = None  # an AdmitState's slot state, restored into the slot before the next step
-        self.approximate = False  # hit through bounded replay: nothing it computes is cached
-        self.window_floor = 0  # bounded replay: windows see no position below this
-        self.write_from = 0  # bounded replay: block KV below this is reused, never rewritten
-        self.matcher = None  # structured output: the grammar's state (``engine.structured.Matcher``)
-        self.grammar_error: str | None = None  # set when a generated token broke the grammar
-        self.decoder_from = 0  # decoder bounded replay: earlier positions run the encoder only
-        # speculative decoding
-        self.decoding = False  # its last prefill chunk sampled: later steps verify drafts on the device
-        self.pending_max = 0  # most tokens the launched, unreconciled steps may still add
-        self.ctx_from = 0  # first position computed since admission (the drafter's context starts there)
-        self.next_conf = None  # confidences of the drafts its next verification will see (host copy, stale)
-        self.has_drafts = False  # the step that produced its newest token also drafted the next block
+        self.cache = CacheState()
+        self.replay = ReplayState()
+        self.grammar = GrammarState()
+        self.spec = SpecState()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "
@@ -105,7 +160,7 @@ class Request:
     @property
     def max_tokens_on_device(self) -> int:
         """The most tokens the device may hold for this request once its launched steps finish."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending_max
+        return len(self.prompt_ids) + len(self.output_ids) + self.spec.pending_max
 
     def known_tokens(self, start: int, stop: int) -> list[int]:
         """Token ids [start, stop) of prompt + reconciled output."""

@@ -118,8 +118,8 @@ class Scheduler:
         its slot holds fresh drafts, else 1 (a plain decode token: the step budget stays with prefill)."""
         if self._limit_reached(r):
             return 0
-        if r.decoding:
-            return 1 + self.spec_tokens if r.has_drafts else 1
+        if r.spec.decoding:
+            return 1 + self.spec_tokens if r.spec.has_drafts else 1
         return r.num_tokens - r.num_computed
 
     def _verify_capacity(self, r: Request) -> int:
@@ -133,10 +133,10 @@ class Scheduler:
         time_left = (self.step_budget_ns - self.cost_model.coef[0]) if cost else 0.0
 
         def chunk_size(r: Request, want: int) -> int:
-            if r.decoding:  # a verify row runs like a decode token, with as many drafts as the budget holds
+            if r.spec.decoding:  # a verify row runs like a decode token, with as many drafts as the budget holds
                 return min(want, tokens_left)
             cap = min(want, tokens_left)
-            nxt = next((p for p in r.snapshot_points if p > r.num_computed), 0)
+            nxt = next((p for p in r.cache.snapshot_points if p > r.num_computed), 0)
             if nxt:  # prefill stops at each snapshot point to save the window there
                 cap = min(cap, nxt - r.num_computed)
             if want == 1 or not cost:
@@ -150,17 +150,17 @@ class Scheduler:
             if cost:
                 time_left -= self.cost_model.chunk_cost(q, r.num_computed)
             r.inflight += 1
-            if r.decoding:  # verify row: adds 1 .. q tokens, learnt when reconciled
+            if r.spec.decoding:  # verify row: adds 1 .. q tokens, learnt when reconciled
                 out.chunks.append(ScheduledChunk(r, r.num_computed, q, True, True, verify=True))
                 r.num_pending += 1
-                r.pending_max += q
+                r.spec.pending_max += q
                 return
             sample = r.num_computed + q == r.num_tokens
             out.chunks.append(ScheduledChunk(r, r.num_computed, q, sample, r.num_pending > 0))
             r.num_computed += q
             r.num_pending += sample
-            r.pending_max += sample
-            r.decoding = sample and self.spec_tokens > 0
+            r.spec.pending_max += sample
+            r.spec.decoding = sample and self.spec_tokens > 0
 
         for r in [r for r in self.running if r.num_pending and self._limit_reached(r)]:
             # certain to finish once its last token is reconciled: free its slot and blocks now
@@ -178,7 +178,7 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    r.blocks.ensure_capacity(self._verify_capacity(r) if r.decoding else r.num_computed + q)
+                    r.blocks.ensure_capacity(self._verify_capacity(r) if r.spec.decoding else r.num_computed + q)
                     break
                 except OutOfBlocks:
                     victim = self.running[-1]
@@ -199,23 +199,23 @@ class Scheduler:
             if hit:
                 self.pool.acquire(cached)
                 blocks.adopt(cached)
-                r.num_computed, r.registered = hit, len(cached)
-                if r.approximate:  # bounded replay of the hit's last tokens rebuilds the window
-                    r.num_computed = r.window_floor = max(0, hit - self.prefix.replay_tokens)
-                    r.write_from = hit
+                r.num_computed, r.cache.registered = hit, len(cached)
+                if r.replay.approximate:  # bounded replay of the hit's last tokens rebuilds the window
+                    r.num_computed = r.replay.window_floor = max(0, hit - self.prefix.replay_tokens)
+                    r.replay.write_from = hit
             cp = cp_chunk_len(self, r) if cp_turn else 0
             q = cp or chunk_size(r, r.num_tokens - r.num_computed)
             if q == 0:
                 blocks.release()
-                r.num_computed = r.registered = r.window_floor = r.write_from = 0
-                r.approximate = False
+                r.num_computed = r.cache.registered = r.replay.window_floor = r.replay.write_from = 0
+                r.replay.approximate = False
                 break
             try:
                 blocks.ensure_capacity(max(hit, r.num_computed + q))
             except OutOfBlocks:
                 blocks.release()
-                r.num_computed = r.registered = r.window_floor = r.write_from = 0
-                r.approximate = False
+                r.num_computed = r.cache.registered = r.replay.window_floor = r.replay.write_from = 0
+                r.replay.approximate = False
                 break  # FCFS: nothing behind the oldest request jumps the queue
             self.waiting.popleft()
             if self.prefix is not None:
@@ -225,15 +225,15 @@ class Scheduler:
                 digests = self.prefix.digests(r) if self.prefix is not None else []
                 for b, d in zip(ids, digests[len(cached) : hit // self.block_size]):
                     self.pool.register(b, d)
-                r.uploads = list(zip(ids, uploads))
-            if r.admit_state is not None:  # state computed elsewhere: restored whole, no window lookup
-                r.slot_state = r.admit_state.slot_state
+                r.cache.uploads = list(zip(ids, uploads))
+            if r.cache.admit_state is not None:  # state computed elsewhere: restored whole, no window lookup
+                r.cache.slot_state = r.cache.admit_state.slot_state
             elif hit:
-                r.restore = (r.num_computed, None if r.approximate else self.prefix.snapshot_for(r, hit))
+                r.cache.restore = (r.num_computed, None if r.replay.approximate else self.prefix.snapshot_for(r, hit))
                 r.num_cached_tokens = r.num_cached_tokens or hit
             if self.decoder_keep is not None:  # the decoder runs on the last decoder_keep tokens only
-                r.decoder_from = max(0, r.num_tokens - self.decoder_keep)
-            r.ctx_from = max(r.num_computed, r.decoder_from)
+                r.replay.decoder_from = max(0, r.num_tokens - self.decoder_keep)
+            r.spec.ctx_from = max(r.num_computed, r.replay.decoder_from)
             r.blocks, r.slot, r.status = blocks, self.free_slots.popleft(), Status.RUNNING
             self.running.append(r)
             take(r, q)
@@ -251,17 +251,17 @@ class Scheduler:
     def _match(self, r: Request) -> tuple[int, list[int], list]:
         """(hit length, cached device blocks, lower-tier payloads) for a request starting from
         scratch; sets its snapshot points."""
-        if r.admit_state is not None:  # engine roles: every block and the slot state come with it
-            r.approximate, r.snapshot_points = False, []
+        if r.cache.admit_state is not None:  # engine roles: every block and the slot state come with it
+            r.replay.approximate, r.cache.snapshot_points = False, []
             if self.prefix is not None:
                 self.prefix._pending = None
-            return r.admit_state.length, [], list(r.admit_state.payloads)
+            return r.cache.admit_state.length, [], list(r.cache.admit_state.payloads)
         if self.prefix is None:
             return 0, [], []
         decision, cached, uploads = self.prefix.match(r)
-        r.approximate = decision.approximate
+        r.replay.approximate = decision.approximate
         decoder_replayed = self.decoder_keep is not None and r.num_tokens > self.decoder_keep
-        r.snapshot_points = [] if r.approximate or decoder_replayed else [
+        r.cache.snapshot_points = [] if r.replay.approximate or decoder_replayed else [
             p for p in self.prefix.snapshot_positions(r)
             if p > decision.length and self.prefix.digest_at(r, p) not in self.prefix.snapshots]
         return decision.length, cached, uploads
@@ -269,9 +269,9 @@ class Scheduler:
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
         self.running.remove(r)
         self._release(r)
-        r.status, r.num_computed, r.registered, r.restore = Status.WAITING, 0, 0, None
-        r.approximate, r.window_floor, r.write_from = False, 0, 0
-        r.decoding, r.next_conf = False, None
+        r.status, r.num_computed, r.cache.registered, r.cache.restore = Status.WAITING, 0, 0, None
+        r.replay.approximate, r.replay.window_floor, r.replay.write_from = False, 0, 0
+        r.spec.decoding, r.spec.next_conf = False, None
         r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)
@@ -294,4 +294,4 @@ class Scheduler:
             self.waiting.remove(r)
         self._release(r)
         r.status, r.finish_reason, r.stop_reason = Status.FINISHED, reason, stop_reason
-        r.num_pending = r.pending_max = 0
+        r.num_pending = r.spec.pending_max = 0

@@ -119,10 +119,10 @@ class SpecDecoding:
             ok = self._drafts_for(r)
             row = VerifyRow(max_drafts=min(self.k, c.num_tokens - 1) if ok else 0,
                             deterministic=r.params.seed is not None, greedy=r.params.temperature == 0,
-                            survival=_survival(r.next_conf) if r.has_drafts and fresh else None)
+                            survival=_survival(r.spec.next_conf) if r.spec.has_drafts and fresh else None)
             # with fresh drafts the row could take K (the scheduler reserves 1 token for a row without)
             could.append(VerifyRow(self.k if ok else 0, row.deterministic, row.greedy, row.survival))
-            rows.append(row if r.has_drafts else VerifyRow(0, row.deterministic, row.greedy))
+            rows.append(row if r.spec.has_drafts else VerifyRow(0, row.deterministic, row.greedy))
         for c in chunks:  # a prefill chunk that samples: its request decodes from the next step on
             if c.sample and not c.verify:
                 r = c.request
@@ -138,7 +138,7 @@ class SpecDecoding:
         draft = self.policy.worth_drafting(could, host_tokens)
         for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
             if c.sample:
-                c.request.has_drafts = draft and self._drafts_for(c.request)
+                c.request.spec.has_drafts = draft and self._drafts_for(c.request)
         return plan, caps, _Planned({i: row.survival for i, row in zip(idx, rows)}, tokens, draft, search), draft
 
     def _tables(self, search: bool) -> tuple[StepTimes, StepTimes | None]:
@@ -147,7 +147,7 @@ class SpecDecoding:
     def _drafts_for(self, r) -> bool:
         """Whether request ``r`` verifies drafts: not under structured output (its mask covers one
         position), and not when sampled unless ``sampled_drafts``."""
-        return r.matcher is None and (self.sampled_drafts or r.params.temperature == 0)
+        return r.grammar.matcher is None and (self.sampled_drafts or r.params.temperature == 0)
 
     def observe(self, chunks: Sequence, results, pending, planned: _Planned, step_ns: float) -> None:
         """Take a reconciled step's verify rows and time back. ``step_ns``: the step's share of wall time
@@ -164,7 +164,7 @@ class SpecDecoding:
         for i, (c, res) in enumerate(zip(chunks, results)):
             r = c.request
             if res is not None and len(pending.confidence) > i:
-                r.next_conf = pending.confidence[i]
+                r.spec.next_conf = pending.confidence[i]
             if not c.verify or res is None or not res:
                 continue
             verified = pending.verified[i]
