@@ -132,7 +132,7 @@ def child_bucket() -> dict:
     drafter = load_hf_drafter(DEFAULT_CHECKPOINT, cfg)
     spec = SpecRunner(cfg, params, drafter, cc, buckets)
     t0 = time.perf_counter()
-    spec.sample(spec._dispatch([], 0, True, 64, 4, 8)).result()  # both speculative programs, traced and compiled
+    spec.sample(spec._dispatch([[]], [0], [True], 64, 4, 8)).result()  # both speculative programs, traced and compiled
     out["spec"] = {"first_step_s": time.perf_counter() - t0}
     return out
 
