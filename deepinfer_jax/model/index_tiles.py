@@ -1,0 +1,74 @@
+"""The paged step's indexer scoring and top-k, in token tiles for long steps (memory-bounded selection).
+
+Scoring a flat step of ``N`` tokens against ``E`` entries builds, per FULL / REINDEX layer, the scores
+[N, E] and the selection's masks [N, E]; the reference scoring (``ops/indexer_topk/reference``) also
+gathers each token's request keys, [N, E, hd]. For one long prefill chunk ``E`` grows with ``N`` (a
+ratio-1 layer has ``E = N``), so these intermediates grow as ``N^2``: at 8K tokens the gathered keys
+of the 5-layer test model are 8.6 GB per ratio-1 layer, and moving them, not the FLOPs, is the cost.
+
+Above a per-token budget the step therefore scores and selects ``tile`` tokens at a time
+(``jax.lax.map`` over the padded token axis): nothing larger than [tile, E, hd] exists, and the [N, E]
+arrays that remain are the boolean candidate pool the candidate source hands to later REINDEX layers
+(part of the step's cross-layer state). Every op in the tile body is row-wise in the token (the
+per-token scores, ``top_k``, the candidate blocks), so each token's row is computed by the same ops on
+the same values as the untiled path, and the results are bit-identical (tests/test_index_tiles.py).
+
+Why tiles of the existing per-token call rather than one matmul per request against its keys: the
+tiles keep the scoring kernel's contract (``indexer_scores(q, w, keys_REK, token_req, visible)``, a
+step may mix requests) and the untiled numerics unchanged, and the gathered keys are bounded by the
+tile. The gather's traffic (N * E * hd values in all) remains; a per-request matmul would remove it
+but needs tiles that never straddle two requests.
+
+The tile is a static function of ``E`` and the key width: the largest ``tile`` with
+``tile * E * hd <= TILE_BUDGET`` (at least ``MIN_TILE``). Steps of at most one tile (decode, short
+prefill) run the untiled code and compile exactly as before.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.ops.indexer_topk import indexer_scores
+
+TILE_BUDGET = 1 << 26  # fp32 values of the gathered keys [tile, E, hd] per tile (256 MiB)
+MIN_TILE = 8
+
+
+def tile_for(n_entries: int, head_dim: int, budget: int | None = None) -> int:
+    """Tokens per tile (static): the largest with ``tile * E * hd <= budget``, at least ``MIN_TILE``."""
+    budget = TILE_BUDGET if budget is None else budget
+    return max(MIN_TILE, budget // max(1, n_entries * head_dim))
+
+
+def select_tokens(attn, q_lat, x_1Nd, angles, index_RED, token_req, n_visible, candidates,
+                  budget: int | None = None):
+    """(top-k ids [N, k], candidate pool [N, E] or ``candidates`` passed through) of the flat step's tokens.
+
+    index_RED [R, E, hd]: every request row's decoded index keys; token_req [N]; n_visible [N] (entries
+    ``e < n_visible`` are visible); candidates [N, E] bool or None (the source layer's pool).
+    """
+    n, e = x_1Nd.shape[1], index_RED.shape[1]
+    tile = tile_for(e, index_RED.shape[2], budget)
+    if n <= tile:  # the untiled path, op for op
+        visible = jnp.arange(e) < n_visible[:, None]
+        scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_RED[token_req], visible)
+        return attn.select(scores, n_visible, visible, candidates)
+    q, w = attn.indexer.query(x_1Nd, q_lat, angles)
+
+    def one(q_t, w_t, req_t, nv_t, cand_t):
+        visible = jnp.arange(e) < nv_t[:, None]
+        scores = indexer_scores(q_t, w_t, index_RED, req_t, visible)
+        return attn.select(scores, nv_t, visible, cand_t)
+
+    pad = -n % tile
+
+    def tiles(a, fill=0):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+        return a.reshape(-1, tile, *a.shape[1:])
+
+    # padding rows: request 0, nothing visible (all scores -inf, top-k all -1); sliced off below
+    xs = (tiles(q[0]), tiles(w[0]), tiles(token_req), tiles(n_visible), None if candidates is None else tiles(candidates))
+    topk, cand = jax.lax.map(lambda a: one(*a), xs)
+    untile = lambda a: a.reshape(-1, *a.shape[2:])[:n]  # noqa: E731
+    return untile(topk), None if cand is None else untile(cand)
