@@ -6,18 +6,23 @@ gathers each token's request keys, [N, E, hd]. For one long prefill chunk ``E`` 
 ratio-1 layer has ``E = N``), so these intermediates grow as ``N^2``: at 8K tokens the gathered keys
 of the 5-layer test model are 8.6 GB per ratio-1 layer, and moving them, not the FLOPs, is the cost.
 
-Above a per-token budget the step therefore scores and selects ``tile`` tokens at a time
+Above a per-tile budget the step therefore scores and selects ``tile`` tokens at a time
 (``jax.lax.map`` over the padded token axis): nothing larger than [tile, E, hd] exists, and the [N, E]
 arrays that remain are the boolean candidate pool the candidate source hands to later REINDEX layers
-(part of the step's cross-layer state). Every op in the tile body is row-wise in the token (the
-per-token scores, ``top_k``, the candidate blocks), so each token's row is computed by the same ops on
-the same values as the untiled path, and the results are bit-identical (tests/test_index_tiles.py).
+(part of the step's cross-layer state). On the reference path a tile whose tokens all belong to one
+request (all of a long chunk's tiles but the one or two at its ends) is scored by one matmul against
+that request's keys, [tile * nh, hd] x [hd, E], instead of gathering each token's copy of them; only a
+tile that straddles requests gathers ([tile, E, hd]). The kernel paths take the keys as they are.
 
-Why tiles of the existing per-token call rather than one matmul per request against its keys: the
-tiles keep the scoring kernel's contract (``indexer_scores(q, w, keys_REK, token_req, visible)``, a
-step may mix requests) and the untiled numerics unchanged, and the gathered keys are bounded by the
-tile. The gather's traffic (N * E * hd values in all) remains; a per-request matmul would remove it
-but needs tiles that never straddle two requests.
+Why tiles rather than one matmul per request over the whole step: a step may mix any number of
+requests, and the matmul against one request's keys is only valid for that request's tokens; tiles make
+the common case (a long chunk) a matmul while the mixed tiles keep the per-token contract of
+``indexer_scores``. Every op in the tile body is row-wise in the token (its scores, ``top_k``, the
+candidate blocks), so each token's row is computed from the same values as in the untiled path; the
+matmul branch forms each (token, head, entry) dot over the same ``hd`` products as the gathered batched
+dot, and XLA:CPU rounds the two alike. That last point is measured, not promised by XLA:
+tests/test_index_tiles.py forces tiles of 8 tokens (mixed and single-request) and compares top-k ids,
+candidate pools, logits and every cache leaf with the untiled step byte for byte.
 
 The tile is a static function of ``E`` and the key width: the largest ``tile`` with
 ``tile * E * hd <= TILE_BUDGET`` (at least ``MIN_TILE``). Steps of at most one tile (decode, short
@@ -29,7 +34,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.ops import dispatch
 from deepinfer_jax.ops.indexer_topk import indexer_scores
+from deepinfer_jax.ops.indexer_topk.reference import combine
 
 TILE_BUDGET = 1 << 26  # fp32 values of the gathered keys [tile, E, hd] per tile (256 MiB)
 MIN_TILE = 8
@@ -58,7 +65,7 @@ def select_tokens(attn, q_lat, x_1Nd, angles, index_RED, token_req, n_visible, c
 
     def one(q_t, w_t, req_t, nv_t, cand_t):
         visible = jnp.arange(e) < nv_t[:, None]
-        scores = indexer_scores(q_t, w_t, index_RED, req_t, visible)
+        scores = _tile_scores(q_t, w_t, index_RED, req_t, visible)
         return attn.select(scores, nv_t, visible, cand_t)
 
     pad = -n % tile
@@ -72,3 +79,18 @@ def select_tokens(attn, q_lat, x_1Nd, angles, index_RED, token_req, n_visible, c
     topk, cand = jax.lax.map(lambda a: one(*a), xs)
     untile = lambda a: a.reshape(-1, *a.shape[2:])[:n]  # noqa: E731
     return untile(topk), None if cand is None else untile(cand)
+
+
+def _tile_scores(q_THK, w_TH, keys_REK, req_T, visible_TE):
+    """One tile's scores [T, E]. On the reference path a tile whose tokens all belong to one request
+    (every tile of a long chunk but those at its ends) is one matmul against that request's keys; a tile
+    that straddles requests gathers each token's keys ([T, E, hd]). The kernels take the keys as they are."""
+    if not dispatch.uses_reference():
+        return indexer_scores(q_THK, w_TH, keys_REK, req_T, visible_TE)
+
+    def one_request():
+        dots = jnp.einsum("nhk,ek->nhe", q_THK.astype(jnp.float32), keys_REK[req_T[0]].astype(jnp.float32))
+        return combine(dots, w_TH.astype(jnp.float32), visible_TE)
+
+    return jax.lax.cond(jnp.all(req_T == req_T[0]), one_request,
+                        lambda: indexer_scores(q_THK, w_TH, keys_REK, req_T, visible_TE))
