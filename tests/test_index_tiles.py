@@ -58,12 +58,13 @@ def test_tiled_selection_equals_untiled_bit_for_bit(storage, monkeypatch):
     # a first step fills the cache, so the second one reads cached entries (a prefix) besides its own
     first = _inputs(rng, cache_cfg)
     _, cache, _ = _step(params, cache_cfg, init_cache(CFG, cache_cfg), first, DEFAULT, monkeypatch)
-    chunks = [ChunkSpec(slot=0, block_table=[0, 1, 2, 3], ctx_len=45, token_ids=rng.integers(0, CFG.vocab_size, 13).tolist()),
+    ids = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
+    chunks = [ChunkSpec(slot=0, block_table=[0, 1, 2, 3], ctx_len=45, token_ids=ids(13)),
               ChunkSpec(slot=1, block_table=[4, 5, 6, 7], ctx_len=30, token_ids=[5]),
-              ChunkSpec(slot=2, block_table=[8, 9, 10], ctx_len=0, token_ids=rng.integers(0, CFG.vocab_size, 37).tolist())]
+              ChunkSpec(slot=2, block_table=[8, 9, 10], ctx_len=0, token_ids=ids(37))]
     second = build_inputs(chunks, 60, 3, BLOCKS, cache_cfg.max_requests)
     hd = CFG.index_head_dim
-    e = BLOCKS * BLOCK  # entries of a ratio-1 layer: tiles of 8 tokens there (4 + 3 ratio-2 layers' 16)
+    e = BLOCKS * BLOCK  # entries of a ratio-1 layer: tiles of 8 tokens there (of 16 on a ratio-2 layer)
     want = _step(params, cache_cfg, cache, second, DEFAULT, monkeypatch)
     got = _step(params, cache_cfg, cache, second, 8 * e * hd, monkeypatch)
     assert index_tiles.tile_for(e, hd, 8 * e * hd) == 8 < second.token_ids.shape[0]
@@ -84,4 +85,5 @@ def test_tiled_selection_equals_untiled_bit_for_bit(storage, monkeypatch):
 
 def test_short_steps_keep_the_untiled_path():
     assert index_tiles.tile_for(64, 32, DEFAULT) >= 8192  # a 4-block bucket: decode and short prefills never tile
-    assert index_tiles.tile_for(8192, 32, DEFAULT) == 256 and index_tiles.tile_for(1 << 20, 128, DEFAULT) == index_tiles.MIN_TILE
+    assert index_tiles.tile_for(8192, 32, DEFAULT) == 256
+    assert index_tiles.tile_for(1 << 20, 128, DEFAULT) == index_tiles.MIN_TILE

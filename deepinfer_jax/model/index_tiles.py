@@ -38,7 +38,7 @@ from deepinfer_jax.ops import dispatch
 from deepinfer_jax.ops.indexer_topk import indexer_scores
 from deepinfer_jax.ops.indexer_topk.reference import combine
 
-TILE_BUDGET = 1 << 26  # fp32 values of the gathered keys [tile, E, hd] per tile (256 MiB)
+TILE_BUDGET = 1 << 26  # tile * E * hd: a straddling tile's gathered fp32 keys [tile, E, hd] (256 MiB)
 MIN_TILE = 8
 
 
@@ -70,12 +70,13 @@ def select_tokens(attn, q_lat, x_1Nd, angles, index_RED, token_req, n_visible, c
 
     pad = -n % tile
 
-    def tiles(a, fill=0):
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+    def tiles(a):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         return a.reshape(-1, tile, *a.shape[1:])
 
-    # padding rows: request 0, nothing visible (all scores -inf, top-k all -1); sliced off below
-    xs = (tiles(q[0]), tiles(w[0]), tiles(token_req), tiles(n_visible), None if candidates is None else tiles(candidates))
+    # padding rows: request 0, nothing visible (all scores -inf, top-k all -1), no candidates; sliced off below
+    xs = (tiles(q[0]), tiles(w[0]), tiles(token_req), tiles(n_visible),
+          None if candidates is None else tiles(candidates))
     topk, cand = jax.lax.map(lambda a: one(*a), xs)
     untile = lambda a: a.reshape(-1, *a.shape[2:])[:n]  # noqa: E731
     return untile(topk), None if cand is None else untile(cand)
