@@ -51,6 +51,7 @@ from deepinfer_jax.model.attention import attend_step
 from deepinfer_jax.model.deepseek_v41 import _graphdef
 from deepinfer_jax.model.engram_consts import hash_constants
 from deepinfer_jax.model.engram_hash import ngram_hash_ids
+from deepinfer_jax.model.index_tiles import select_tokens
 from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.moe_strategy import MoEStrategy, check_tables, layer_tables
 from deepinfer_jax.model.quant import fake_quant_fp8, fake_quant_mxfp4, fake_quant_nvfp4
@@ -194,12 +195,10 @@ def source_entries(layer: int, glob: dict, tables, r: int, m: _Step, shared: _Sh
 
 
 def select_entries(attn, shared: _Shared, x_1Nd, q_lat, angles, r: int, m: _Step) -> _Shared:
-    """The lightning indexer's top-k over the entries each token may see (a FULL or REINDEX layer)."""
-    index_keys = shared.index_RED
-    n_visible = (m.pos + 1) // r
-    visible = jnp.arange(index_keys.shape[1]) < n_visible[:, None]
-    scores = attn.indexer.scores_per_token(x_1Nd, q_lat, angles, index_keys[m.inp.token_req], visible)
-    topk, candidates = attn.select(scores, n_visible, visible, shared.candidates)
+    """The lightning indexer's top-k over the entries each token may see (a FULL or REINDEX layer); long
+    steps score and select in token tiles (``model.index_tiles``)."""
+    topk, candidates = select_tokens(attn, q_lat, x_1Nd, angles, shared.index_RED, m.inp.token_req, (m.pos + 1) // r,
+                                     shared.candidates)
     return shared._replace(topk=topk, candidates=candidates)
 
 
