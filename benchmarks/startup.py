@@ -186,7 +186,7 @@ def main() -> None:
         # the baseline without the program store (runner.program_store, on by default), in its own caches
         store = {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-nostore")), "DEEPINFER_PROGRAM_STORE": "off"}
         for temp in ("cold", "warm"):
-            r = run_child("engine", "lazy", str(Path(tmp, "prof-lazy")), env=store)
+            r = run_child("engine", "lazy", str(Path(tmp, "prof-nostore")), env=store)
             results[f"engine_lazy_{temp}_nostore"] = r
             rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", f"{temp}, no store", r["wall_s"],
                          "precompile=lazy, DEEPINFER_PROGRAM_STORE=off"))
