@@ -12,16 +12,43 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 _TIMES = os.environ.get("DEEPINFER_TEST_TIMES")  # a file: one "seconds phase nodeid time compile_s compiles" line
 _COMPILED = [0.0, 0]  # XLA backend compile seconds and programs in this process since the last logged phase
+_PROGRAMS: list[str] = []  # "name seconds shapes-digest hit|miss" per program compiled since the last logged phase
+_SHAPES: dict[str, str] = {}  # program name -> digest of the argument shapes it was last lowered with
 
 if _TIMES:
     import jax.monitoring
 
-    def _count_compile(event: str, duration: float, **_) -> None:
+    def _count_compile(event: str, duration: float, fun_name: str = "?", **_) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             _COMPILED[0] += duration
             _COMPILED[1] += 1
+            _PROGRAMS.append(f"{fun_name} {duration:.2f} {_SHAPES.get(fun_name, '-')} {_OUTCOME.pop(_module(fun_name), '-')}")
 
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+    import hashlib
+    import logging
+
+    _OUTCOME: dict[str, str] = {}  # program name -> "hit" or "miss" in the persistent compilation cache
+
+    def _module(name: str) -> str:
+        """``jit(f)`` (the compile event's name) and ``jit_f`` (the cache's module name) as one key."""
+        return name.replace("(", "_").rstrip(")")
+
+    class _ProgramLog(logging.Handler):
+        """JAX's debug records: the argument shapes of each lowered program and its persistent-cache outcome."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if msg.startswith("Compiling "):
+                name = msg.split(" ", 2)[1]
+                _SHAPES[name] = hashlib.sha1(msg.split(". Argument mapping")[0].encode()).hexdigest()[:10]
+            elif msg.upper().startswith("PERSISTENT COMPILATION CACHE "):
+                _OUTCOME[_module(msg.split("'")[1])] = "miss" if "MISS" in msg else "hit"
+
+    for _name in ("jax._src.interpreters.pxla", "jax._src.compiler"):
+        logging.getLogger(_name).setLevel(logging.DEBUG)
+        logging.getLogger(_name).addHandler(_ProgramLog())
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,3 +68,7 @@ def pytest_runtest_logreport(report):
             f.write(f"{report.duration:.2f} {report.when} {report.nodeid} {time.strftime('%H:%M:%S')} "
                     f"{_COMPILED[0]:.2f} {_COMPILED[1]}\n")
         _COMPILED[:] = [0.0, 0]
+        if _PROGRAMS:
+            with open(_TIMES + ".programs", "a") as f:
+                f.writelines(f"{report.nodeid} {line}\n" for line in _PROGRAMS)
+            _PROGRAMS.clear()

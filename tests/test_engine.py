@@ -92,20 +92,24 @@ def test_async_on_and_off_give_identical_outputs(llm):
 
 
 def test_jitted_generate_equals_the_engine(llm, params):
-    prompts = np.asarray(_prompts(4, 3, 20, 21))
+    """A user's own ``jax.jit(generate)`` over a [B, T] batch with per-row lengths and [B] sampling settings (the
+    shapes ``generate_ragged`` uses for these prompts, so the persistent compilation cache shares the program
+    with the next test): greedy rows equal the engine's; new settings and keys reuse the one program."""
+    prompts = _prompts(7, 3, 3, 40)
+    ids, lens = pad_prompts(prompts, batch_to=4)
     gen = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
-    # temperature passed (0.0: greedy) so that the greedy and the sampled calls below run one program
-    toks = np.asarray(gen(params, CFG, prompts, jax.random.key(0), max_new_tokens=9, temperature=0.0,
-                          stop_at_eos=False))
+
+    def run(key, temperature):
+        settings = (np.full(4, temperature, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32),
+                    np.zeros(4, np.float32))
+        return np.asarray(gen(params, CFG, ids, jax.random.key(key), 6, *settings, prompt_lengths=lens,
+                              stop_at_eos=False))[:3].tolist()
+
+    toks = run(0, 0.0)
     assert gen._cache_size() == 1
-    want = _ids(_run(llm, prompts.tolist(), SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)))
-    assert toks.tolist() == want
-    # the same static settings as above: one compiled program serves all three calls
-    sampled = np.asarray(gen(params, CFG, prompts, jax.random.key(1), max_new_tokens=9, temperature=1.0,
-                             stop_at_eos=False))
-    again = np.asarray(gen(params, CFG, prompts, jax.random.key(1), max_new_tokens=9, temperature=1.0,
-                           stop_at_eos=False))
-    assert sampled.tolist() == again.tolist() and sampled.tolist() != toks.tolist()
+    assert toks == _ids(_run(llm, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+    sampled, again = run(1, 1.0), run(1, 1.0)  # other settings and key: the same compiled program
+    assert sampled == again and sampled != toks
     assert gen._cache_size() == 1
 
 

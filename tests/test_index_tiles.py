@@ -43,10 +43,11 @@ def _step(params, cache_cfg, cache, inp, budget, monkeypatch):
 
 
 def _inputs(rng, cache_cfg):
+    """The first step's two prompts, in the second step's shapes (one compiled program serves both untiled steps)."""
     ids = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
-    chunks = [ChunkSpec(slot=0, block_table=[0, 1, 2, 3], ctx_len=0, token_ids=ids(45)),
-              ChunkSpec(slot=1, block_table=[4, 5, 6, 7], ctx_len=0, token_ids=ids(30))]
-    return build_inputs(chunks, 80, 3, BLOCKS, cache_cfg.max_requests)
+    chunks = [ChunkSpec(slot=0, block_table=[0, 1, 2, 3], ctx_len=0, token_ids=ids(40)),
+              ChunkSpec(slot=1, block_table=[4, 5, 6, 7], ctx_len=0, token_ids=ids(20))]
+    return build_inputs(chunks, 60, 3, BLOCKS, cache_cfg.max_requests)
 
 
 @pytest.mark.parametrize("storage", ["dequantized", "quantized"])
@@ -59,8 +60,8 @@ def test_tiled_selection_equals_untiled_bit_for_bit(storage, monkeypatch):
     first = _inputs(rng, cache_cfg)
     _, cache, _ = _step(params, cache_cfg, init_cache(CFG, cache_cfg), first, DEFAULT, monkeypatch)
     ids = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
-    chunks = [ChunkSpec(slot=0, block_table=[0, 1, 2, 3], ctx_len=45, token_ids=ids(13)),
-              ChunkSpec(slot=1, block_table=[4, 5, 6, 7], ctx_len=30, token_ids=[5]),
+    chunks = [ChunkSpec(slot=0, block_table=[0, 1, 2, 3], ctx_len=40, token_ids=ids(13)),
+              ChunkSpec(slot=1, block_table=[4, 5, 6, 7], ctx_len=20, token_ids=[5]),
               ChunkSpec(slot=2, block_table=[8, 9, 10], ctx_len=0, token_ids=ids(37))]
     second = build_inputs(chunks, 60, 3, BLOCKS, cache_cfg.max_requests)
     hd = CFG.index_head_dim
