@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-_TIMES = os.environ.get("DEEPINFER_TEST_TIMES")  # a file: one "seconds phase nodeid time compile_s compiles" line
+_TIMES = os.environ.get("DEEPINFER_TEST_TIMES")  # a file: "seconds phase nodeid time compile_s compiles" lines; F.programs
 _COMPILED = [0.0, 0]  # XLA backend compile seconds and programs in this process since the last logged phase
 _PROGRAMS: list[str] = []  # "name seconds shapes-digest hit|miss" per program compiled since the last logged phase
 _SHAPES: dict[str, str] = {}  # program name -> digest of the argument shapes it was last lowered with
