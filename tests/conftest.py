@@ -10,7 +10,9 @@ import pytest
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-_TIMES = os.environ.get("DEEPINFER_TEST_TIMES")  # a file: "seconds phase nodeid time compile_s compiles" lines; F.programs
+# DEEPINFER_TEST_TIMES=F: one "seconds phase nodeid time compile_s compiles" line per test phase in F, and one
+# "nodeid program seconds shapes-digest hit|miss" line per compiled program in F.programs
+_TIMES = os.environ.get("DEEPINFER_TEST_TIMES")
 _COMPILED = [0.0, 0]  # XLA backend compile seconds and programs in this process since the last logged phase
 _PROGRAMS: list[str] = []  # "name seconds shapes-digest hit|miss" per program compiled since the last logged phase
 _SHAPES: dict[str, str] = {}  # program name -> digest of the argument shapes it was last lowered with
@@ -22,7 +24,8 @@ if _TIMES:
         if event == "/jax/core/compile/backend_compile_duration":
             _COMPILED[0] += duration
             _COMPILED[1] += 1
-            _PROGRAMS.append(f"{fun_name} {duration:.2f} {_SHAPES.get(fun_name, '-')} {_OUTCOME.pop(_module(fun_name), '-')}")
+            outcome = _OUTCOME.pop(_module(fun_name), "-")
+            _PROGRAMS.append(f"{fun_name} {duration:.2f} {_SHAPES.get(fun_name, '-')} {outcome}")
 
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
