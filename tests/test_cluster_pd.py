@@ -373,6 +373,32 @@ def _out(ids, text, finished=False, reason=None):
     return RequestOutput("s0", None, [1, 2], [CompletionOutput(0, text, ids, reason)], finished, 0)
 
 
+class _OrderedWait:
+    """``ray.wait`` as documented: the first ``num_returns`` ready refs, in the input order."""
+
+    def __init__(self, ready):
+        self.ready, self.calls = set(ready), []
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.calls.append((list(refs), num_returns, timeout))
+        ready = [r for r in refs if r in self.ready][:num_returns]
+        return ready, [r for r in refs if r not in ready]
+
+
+def test_router_reads_every_answered_call_each_round():
+    """A busy instance listed first answers every round; the new instance behind it must still be read
+    (one answer per round starved it: a scale-up or pool instance then never became ready)."""
+    from deepinfer_jax.cluster.live import answered
+
+    fake = _OrderedWait({"prefill0", "decode0", "new"})
+    assert answered(fake, ["prefill0", "decode0", "slow", "new"], 0.1) == ["prefill0", "decode0", "new"]
+    assert fake.calls[0] == (["prefill0", "decode0", "slow", "new"], 1, 0.1)  # blocks only for the first
+    assert fake.calls[1][2] == 0  # the rest: whatever is ready now, no waiting
+    assert answered(_OrderedWait({"new"}), ["busy", "new"], 0.1) == ["new"]
+    assert answered(_OrderedWait(set()), ["busy", "new"], 0.1) == []
+    assert answered(_OrderedWait({"only"}), ["only"], 0.1) == ["only"]
+
+
 def test_stream_cursor_holds_stop_text_and_skips_what_the_client_has():
     from deepinfer_jax.cluster.streaming import Partial, StreamCursor
 

@@ -151,6 +151,19 @@ class _Instance:
     pooled: bool = False  # in the autoscaler's ready pool: booted, not in service (``cluster.scaling``)
 
 
+def answered(ray, refs: list, timeout_s: float) -> list:
+    """Every call of ``refs`` that has answered: waits up to ``timeout_s`` for the first, then takes all
+    the others that are ready too. One answer per round (``ray.wait``'s ``num_returns=1``) would starve
+    the instances listed last: ``ray.wait`` keeps the input order, so a busy instance early in the
+    list that answers every round would always be the one returned, and a new instance's start-up
+    answer behind it would never be read."""
+    ready, rest = ray.wait(refs, num_returns=1, timeout=timeout_s)
+    if ready and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        ready = ready + more
+    return ready
+
+
 class Cluster:
     """``prefill`` + ``decode`` engine instances on Ray; see the module docstring.
 
@@ -371,9 +384,8 @@ class Cluster:
         calls = {inst.call[1]: inst for inst in self._live() if inst.call is not None}
         if not calls:
             return []
-        ready, _ = self._ray.wait(list(calls), num_returns=1, timeout=timeout_s)
         finished = []
-        for ref in ready:
+        for ref in answered(self._ray, list(calls), timeout_s):
             inst = calls[ref]
             kind, *rest = inst.call
             inst.call = None
