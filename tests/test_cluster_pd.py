@@ -568,9 +568,14 @@ def _scale_up_then_down(ref, c, role, settings, seed):
         end = time.perf_counter() + 600
         new, used = None, False
         while True:  # keep four requests in flight until the new instance has served one
-            assert time.perf_counter() < end, "the autoscaler did not scale up in time"
+            assert time.perf_counter() < end, (
+                f"the autoscaler did not scale up in time: {len(sent)} sent, {len(outs)} done, cached tokens "
+                f"{sorted({o.num_cached_tokens for o in outs.values()})}, events {events[start:]}, new "
+                f"{None if new is None else (new.ready, new.accepting, len(new.rids))}")
             if sum(1 for r, _ in sent if r not in outs) < 4 and not used:
-                prompts = _prompts(seed + len(sent), (18, 33))
+                # seeds of their own per test (seed * 1000 + n): a prompt another test already sent would be a
+                # prefix hit in the shared store, no uncached tokens, and so no prefill scale-up
+                prompts = _prompts(seed * 1000 + len(sent), (18, 33))
                 sent += zip(c.submit([{"prompt_token_ids": p} for p in prompts], sp), prompts)
             if new is not None and new.rids:  # routed to it (a prefill instance answers within a step)
                 used = True
@@ -687,7 +692,7 @@ def test_cluster_autoscaler_scales_up_from_the_ready_pool_at_once(ref, cluster):
         while up is None or len(got) < len(sent):  # four requests in flight until the scale-up
             assert time.perf_counter() < end, "no scale-up" if up is None else "unfinished"
             if up is None and sum(1 for r, _ in sent if r not in got) < 4:
-                batch = _prompts(70 + len(sent), (18, 33))
+                batch = _prompts(70_000 + len(sent), (18, 33))  # its own seeds (see _scale_up_then_down)
                 sent += zip(cluster.submit([{"prompt_token_ids": p} for p in batch], sp), batch)
             for o in cluster.step(timeout_s=0.1):
                 got[o.request_id] = o
