@@ -1,6 +1,8 @@
 """The autoscaler's quota-use guard with busy instances (issue 23: no scale-down while quota use is above 80%,
 the post-scale-down load checked too): an instance with work uses its whole quota, whatever arrived lately."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from deepinfer_jax.cluster.autoscaler import Autoscaler, AutoscalerSettings, ClusterSignals, RoleSettings, RoleState, decide
@@ -44,3 +46,59 @@ def test_bad_busy_is_a_typed_error_naming_the_field(bad):
     with pytest.raises(PolicyInputError) as e:
         decide(0.0, RoleState(2), _role(), 0.0, 0.0, 0.0, busy=bad)
     assert e.value.field == "busy"
+
+
+def test_a_starting_instance_holds_the_scale_down():
+    s = _role()
+    assert decide(10.0, RoleState(2), s, 0.0, 0.0, 0.0) == (-1, "peak load 0 needs 1")
+    held = (0, "scale-down held: an instance is still starting")
+    assert decide(10.0, RoleState(2, starting=1), s, 0.0, 0.0, 0.0) == held
+    assert decide(10.0, RoleState(1, starting=1), s, 5.0, 5.0, 5.0)[0] == 1  # a scale-up is not held by it
+    assert decide(10.0, RoleState(5, starting=1), s, 0.0, 0.0, 0.0) == (-1, "above max_instances")  # bounds first
+    with pytest.raises(PolicyInputError) as e:
+        decide(10.0, RoleState(2, starting=-1), s, 0.0, 0.0, 0.0)
+    assert e.value.field == "starting"
+
+
+class _FakeCluster:
+    """The parts of ``live.Cluster`` the live scaler touches: instances that start not ready."""
+
+    def __init__(self):
+        self.instances = {"prefill": [self._instance("prefill", ready=True)],
+                          "decode": [self._instance("decode", ready=True)]}
+        self.stats = SimpleNamespace(scale_events=[])
+        self.stopped = []
+
+    @staticmethod
+    def _instance(role, ready):
+        return SimpleNamespace(role=role, alive=True, ready=ready, accepting=ready, retire_at=None, draining=False,
+                               pooled=False, rids=set())
+
+    def add_instance(self, role, wait=True):
+        self.instances[role].append(self._instance(role, ready=False))
+        return len(self.instances[role]) - 1
+
+    def stop_instance(self, inst):
+        inst.alive = inst.accepting = False
+        self.stopped.append(inst)
+
+
+def test_the_live_scaler_never_stops_the_instance_it_is_starting():
+    """The failure a slow CI run showed: a closed-loop client waits on decode, so no prompt arrives
+    for a few seconds after a prefill scale-up; the scaler stopped the starting instance and started
+    another, over and over (130 starts in 10 minutes), and none ever served."""
+    from deepinfer_jax.cluster.scaling import LiveScaler
+
+    c = _FakeCluster()
+    settings = AutoscalerSettings(_role(1, 2), _role(1, 1), ready_pool=0, tick_s=0.1)
+    scaler = LiveScaler(c, settings, 0.0)
+    scaler.count_uncached(100)
+    assert scaler.tick(1.0) and len(c.instances["prefill"]) == 2  # 100 tokens/s: one more prefill instance
+    new = c.instances["prefill"][-1]
+    for t in (2.0, 3.0, 4.0):  # nothing arrives while it starts
+        scaler.tick(t)
+    assert new.alive and not c.stopped and len(c.instances["prefill"]) == 2
+    assert scaler.policy.prefill.starting == 1
+    new.ready = new.accepting = True  # it answered: the role may scale down again
+    scaler.tick(5.0)
+    assert [(e.role, e.before, e.after) for e in c.stats.scale_events] == [("prefill", 1, 2), ("prefill", 2, 1)]

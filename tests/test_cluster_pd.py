@@ -9,6 +9,7 @@ when Ray cannot start here.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -566,13 +567,17 @@ def _scale_up_then_down(ref, c, role, settings, seed):
     start = len(events)
     try:
         end = time.perf_counter() + 600
-        new, used = None, False
-        while True:  # keep four requests in flight until the new instance has served one
+        new, used, last_sent = None, False, -math.inf
+        while True:  # four requests in flight (prefill: and two arriving every half second) until the new one served
             assert time.perf_counter() < end, (
                 f"the autoscaler did not scale up in time: {len(sent)} sent, {len(outs)} done, cached tokens "
                 f"{sorted({o.num_cached_tokens for o in outs.values()})}, events {events[start:]}, new "
                 f"{None if new is None else (new.ready, new.accepting, len(new.rids))}")
-            if sum(1 for r, _ in sent if r not in outs) < 4 and not used:
+            # prefill: a closed loop alone stops sending while decode is slow (a loaded machine): no arrivals for
+            # seconds read as an idle prefill role, and the scale-down would take the new instance before it served
+            due = role == "prefill" and time.perf_counter() - last_sent > 0.5
+            if not used and (sum(1 for r, _ in sent if r not in outs) < 4 or due):
+                last_sent = time.perf_counter()
                 # seeds of their own per test (seed * 1000 + n): a prompt another test already sent would be a
                 # prefix hit in the shared store, no uncached tokens, and so no prefill scale-up
                 prompts = _prompts(seed * 1000 + len(sent), (18, 33))

@@ -22,7 +22,10 @@ instance's capacity ``cap`` (tokens/s, or running requests it sustains):
   instances as keep the projected use ``load_down / ((current - k) * cap)`` at or below it. An
   instance that has work (``busy``: requests routed to it and not yet done) uses its whole quota:
   both checks take at least ``busy * cap`` as the load, so a backlog that stalls new arrivals (a slow
-  step, a compilation) never reads as an idle role.
+  step, a compilation) never reads as an idle role. Nor while an instance of the role is still
+  starting (``RoleState.starting``, counted by the live hook): a scale-up is not undone before the
+  capacity it added could serve, so a closed-loop client that waits on decode (no new prompts, a
+  zero rate) cannot make the role start and stop instances over and over.
 * Bounds ``min_*`` / ``max_*`` always hold; spare capacity is the margin (online, above the
   minimum) plus ``ready_pool`` idle machines kept booted for instant scale-up.
 
@@ -117,11 +120,13 @@ class ClusterSignals:
 
 @dataclass(frozen=True)
 class RoleState:
-    """A role's instance count and when it last changed (``-inf``: never)."""
+    """A role's instance count, when it last changed (``-inf``: never), and how many of its instances are
+    still starting (the live hook's count; none in a replay that starts instances at once)."""
 
     current: int
     last_up: float = -math.inf
     last_down: float = -math.inf
+    starting: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_d
     ``load_sustained``: the median over ``sustain_window_s`` (``None``: no burst hold). ``busy``: instances
     with work now (each counts as fully used in the scale-down checks)."""
     check_int("current", state.current, 0)
+    check_int("starting", state.starting, 0)
     check_number("busy", busy)
     for name, v in (("load_up", load_up), ("load_down", load_down), ("load_now", load_now)):
         check_number(name, v)
@@ -172,6 +178,8 @@ def decide(now: float, state: RoleState, s: RoleSettings, load_up: float, load_d
         return 0, "steady"
     if now - state.last_up < s.down_after_up_s or now - state.last_down < s.down_after_down_s:
         return 0, "scale-down held: cooldown"
+    if state.starting:
+        return 0, "scale-down held: an instance is still starting"
     in_use = busy * s.capacity  # the quota the busy instances use, whatever arrived lately
     if max(load_now, in_use) > s.no_scale_down_above * n * s.capacity:
         return 0, "scale-down held: quota use above no_scale_down_above"

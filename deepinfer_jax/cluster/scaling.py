@@ -127,6 +127,9 @@ class LiveScaler:
         running = sum(len(i.rids) for i in c.instances["decode"] if i.alive)
         busy = sum(1 for i in self._serving("prefill") if i.rids)  # prompts routed there, not yet handed over
         self.last, self.uncached = now, 0
+        for role in ("prefill", "decode"):  # no scale-down of a role while an instance it started is starting
+            starting = sum(1 for i in self._serving(role) if not i.ready)
+            setattr(self.policy, role, dataclasses.replace(getattr(self.policy, role), starting=starting))
         decision = self.policy.tick(now, ClusterSignals(rate, running, busy))
         reasons = dict(r.split(": ", 1) for r in decision.reasons)
         for role in ("prefill", "decode"):
