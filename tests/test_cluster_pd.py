@@ -568,14 +568,14 @@ def _scale_up_then_down(ref, c, role, settings, seed):
     try:
         end = time.perf_counter() + 600
         new, used, last_sent = None, False, -math.inf
-        while True:  # four requests in flight (prefill: and two arriving every half second) until the new one served
+        while True:  # four requests in flight (prefill: and two arriving every second) until the new one served
             assert time.perf_counter() < end, (
                 f"the autoscaler did not scale up in time: {len(sent)} sent, {len(outs)} done, cached tokens "
                 f"{sorted({o.num_cached_tokens for o in outs.values()})}, events {events[start:]}, new "
                 f"{None if new is None else (new.ready, new.accepting, len(new.rids))}")
             # prefill: a closed loop alone stops sending while decode is slow (a loaded machine): no arrivals for
             # seconds read as an idle prefill role, and the scale-down would take the new instance before it served
-            due = role == "prefill" and time.perf_counter() - last_sent > 0.5
+            due = role == "prefill" and time.perf_counter() - last_sent > 1.0
             if not used and (sum(1 for r, _ in sent if r not in outs) < 4 or due):
                 last_sent = time.perf_counter()
                 # seeds of their own per test (seed * 1000 + n): a prompt another test already sent would be a

@@ -26,6 +26,7 @@ from deepinfer_jax.engine import RequestError, SamplingParams, Scheduler
 from deepinfer_jax.engine.core import EngineCore
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 from deepinfer_jax.engine.request import GrammarState, SpecState
+from deepinfer_jax.runner import StepOutput
 
 PRESETS = ("cpu-dp2-ep4", "cpu-dp1-ep8", "cpu-dp8-ep1")
 
@@ -107,7 +108,7 @@ class FakeDPRunner:
         return out
 
     def sample(self, fwd, mask=None):
-        return SimpleNamespace(result=lambda: fwd)
+        return SimpleNamespace(result=lambda: fwd, output=lambda: StepOutput.plain(fwd))
 
 
 def _engine(dp=3, slots=2, async_scheduling=True, **sched):

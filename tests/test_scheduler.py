@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.engine import CostModel, EngineCore, RequestError, SamplingParams, Scheduler
-from deepinfer_jax.runner import Buckets
+from deepinfer_jax.runner import Buckets, StepOutput
 from deepinfer_jax.tokenizer import load_tokenizer
 
 VOCAB = 1000
@@ -35,6 +35,9 @@ class _Pending:
 
     def result(self):
         return self._results
+
+    def output(self):
+        return StepOutput.plain(self._results)
 
 
 class FakeRunner:

@@ -28,7 +28,7 @@ from deepinfer_jax.engine.spec_policy import (
     make_policy,
     solve_budget,
 )
-from deepinfer_jax.runner import Buckets
+from deepinfer_jax.runner import Buckets, StepOutput
 
 K = 5
 
@@ -132,7 +132,8 @@ class FakeSpecRunner(FakeRunner):
             results.append([(t, -1.0, np.array([t]), np.array([-1.0])) for t in new])
             confidence.append(self.conf.get(c.slot, np.zeros(K)))
         self.steps.append(chunks)
-        return SimpleNamespace(result=lambda: results, verified=verified, anchors=anchors, confidence=confidence)
+        return SimpleNamespace(result=lambda: results, verified=verified, anchors=anchors, confidence=confidence,
+                               output=lambda: StepOutput(results, verified, anchors, confidence))
 
 
 def make_spec_engine(policy="dspark", *, block_size=4, max_seqs=4, max_len=256, budget=64, async_scheduling=False,

@@ -60,10 +60,10 @@ from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
 from deepinfer_jax.engine.ranks import check_schedulers, eplb_stats, make_rebalancer, merge_plans
 from deepinfer_jax.engine.request import AdmitState, Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
-from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_jax.engine.scheduler import BlockUpload, Scheduler, SchedulerOutput, SlotRestore
 from deepinfer_jax.engine.spec_decode import SpecDecoding
 from deepinfer_jax.engine.structured import StructuredOutputs
-from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, PendingStep, SampleSpec
+from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, PendingStep, SampleSpec, StepOutput
 
 __all__ = ["EngineCore", "EngineStats"]
 
@@ -345,7 +345,7 @@ class EngineCore:
         finished: list[RequestOutput] = []
         launched = None
         if plan.chunks:
-            self._restore_states(plan.chunks)  # prefix-cache hits: uploads and windows into their rank's slots
+            self._restore_states(plan.copies)  # prefix-cache hits: uploads and windows into their rank's slots
             budgets = drafts = planned = None
             caps = [{} for _ in plans]
             if self.spec is not None:  # every rank's verification planned on its own
@@ -435,22 +435,19 @@ class EngineCore:
         step, self._inflight = self._inflight, None
         return self._reconcile(step) if step is not None else []
 
-    def _restore_states(self, chunks) -> None:
-        """Prefix-cache hits: their uploaded blocks and saved windows go into their slots (on their DP rank)
-        before the step; engine roles: a whole slot from another engine."""
-        for c in chunks:
-            at = self.rank_args(c.request)
-            if c.request.cache.uploads:
-                ids, payloads = zip(*c.request.cache.uploads)
-                self.runner.write_blocks(list(ids), list(payloads), **at)
-                c.request.cache.uploads = None
-            if c.request.cache.slot_state is not None:  # engine roles: the whole slot from another engine
-                self.runner.restore_slot(c.request.slot, c.request.cache.slot_state, **at)
-                c.request.cache.slot_state = None
-            if c.request.cache.restore is not None:
-                pos, snap = c.request.cache.restore
-                self.runner.restore_swa(c.request.slot, snap, c.request.known_tokens(max(0, pos - 8), pos), pos, **at)
-                c.request.cache.restore = None
+    def _restore_states(self, copies) -> None:
+        """The plan's cache copies, in order, into the admitted requests' blocks and slots (on their DP rank):
+        prefix-cache hits' uploaded blocks and saved windows; engine roles' whole slots from another engine."""
+        for copy in copies:
+            r = copy.request
+            at = self.rank_args(r)
+            if isinstance(copy, BlockUpload):
+                self.runner.write_blocks(copy.block_ids, copy.payloads, **at)
+            elif isinstance(copy, SlotRestore):
+                self.runner.restore_slot(r.slot, copy.state, **at)
+            else:
+                pos = copy.position
+                self.runner.restore_swa(r.slot, copy.snapshot, r.known_tokens(max(0, pos - 8), pos), pos, **at)
 
     def _copies_behind(self, step: _InFlight) -> None:
         """Prefix caching: window copies and every rank's newly cached block reads right behind the model step."""
@@ -531,9 +528,9 @@ class EngineCore:
         """Take a step's tokens into its requests. ``on_tokens`` is called once the grammar matchers
         have taken the new tokens, before the rest of the host work (it starts the next masks)."""
         t0 = time.perf_counter()
-        results = step.pending.result()
+        out = step.pending.output()
         ready = time.perf_counter()
-        results = [[res] if isinstance(res, tuple) else res for res in results]  # per chunk: its tokens
+        results = out.tokens  # per chunk: its tokens, or None
         for chunk, res in zip(step.plan.chunks, results):
             r = chunk.request
             if res and not r.finished and r.grammar.matcher is not None and not r.grammar.matcher.consume(res[0][0]):
@@ -551,9 +548,9 @@ class EngineCore:
             self.stats.predicted_ns.append(step.plan.predicted_ns)
             self.stats.measured_ns.append(device_ns)
         if self.cost_model is not None and not step.compiled:
-            self.cost_model.observe(self._observed_shape(step), device_ns)
+            self.cost_model.observe(self._observed_shape(step, out), device_ns)
         if step.spec is not None:
-            self.spec.observe(step.plan.chunks, results, step.pending, step.spec, None if step.compiled else period_ns)
+            self.spec.observe(step.plan.chunks, out, step.spec, None if step.compiled else period_ns)
         for r, pos, arrays in step.snapshots:
             self._save_snapshot(r, pos, arrays)
         self._write_back(step.writebacks)
@@ -566,9 +563,9 @@ class EngineCore:
             r.num_pending -= 1
             r.spec.pending_max -= chunk.num_tokens if chunk.verify else 1
             if chunk.verify and r.spec.decoding:  # the anchor and the accepted drafts are in the cache now
-                r.num_computed = max(r.num_computed, step.pending.anchors[i] + len(res))
+                r.num_computed = max(r.num_computed, out.anchors[i] + len(res))
                 if i in step.crossings:
-                    self._crossed(r, step.pending.anchors[i], len(res), step.crossings[i])
+                    self._crossed(r, out.anchors[i], len(res), step.crossings[i])
             for token in res:
                 if self._accept(r, *token, ready):
                     finished.append(r.to_output())
@@ -577,7 +574,7 @@ class EngineCore:
         if step.spec is not None:  # per rank, the drafts its verify rows verified and accepted (as ``observe``)
             for i, (c, res) in enumerate(zip(step.plan.chunks, results)):
                 if c.verify and res:
-                    self.rank_spec_verified[step.ranks[i]] += step.pending.verified[i]
+                    self.rank_spec_verified[step.ranks[i]] += out.verified[i]
                     self.rank_spec_accepted[step.ranks[i]] += len(res) - 1
         if self.eplb is not None and step.forward is not None:  # the step's expert load; maybe a rebalance
             new = self.eplb.record_slots(self.runner.slot_counts(step.forward), step.forward.placement)
@@ -595,12 +592,11 @@ class EngineCore:
             r.cache.swa_copy = (b, arrays)
 
     @staticmethod
-    def _observed_shape(step: _InFlight) -> list[tuple[int, int]]:
+    def _observed_shape(step: _InFlight, out: StepOutput) -> list[tuple[int, int]]:
         """[(q, c)] per chunk as the step really ran (verify rows: 1 + the drafts they verified)."""
         if step.spec is None:
             return step.plan.shape()
-        pending = step.pending
-        return [(1 + pending.verified[i], pending.anchors[i]) if c.verify else (c.num_tokens, c.start)
+        return [(1 + out.verified[i], out.anchors[i]) if c.verify else (c.num_tokens, c.start)
                 for i, c in enumerate(step.plan.chunks)]
 
     def _accept(self, r: Request, token: int, logprob: float, top_ids, top_lps, now: float) -> bool:

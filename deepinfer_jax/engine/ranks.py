@@ -64,7 +64,8 @@ def merge_plans(plans: Sequence[SchedulerOutput]) -> SchedulerOutput:
     rank's prediction and shape (the step the cost model predicts and is refitted on)."""
     if len(plans) == 1:
         return plans[0]
-    plan = RanksPlan(chunks=[c for p in plans for c in p.chunks], preempted=[r for p in plans for r in p.preempted])
+    plan = RanksPlan(chunks=[c for p in plans for c in p.chunks], preempted=[r for p in plans for r in p.preempted],
+                     copies=[c for p in plans for c in p.copies])
     costed = [p for p in plans if p.predicted_ns is not None]
     if costed:
         slowest = max(costed, key=lambda p: p.predicted_ns)

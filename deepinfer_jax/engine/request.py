@@ -29,8 +29,8 @@ class AdmitState:
 
 @dataclass(slots=True)
 class CacheState:
-    """What the prefix cache knows of a request, and the cache contents to load into its slot and
-    blocks before its next step (from the lower tiers, a saved window, or another engine)."""
+    """What the prefix cache knows of a request (the contents to load into its blocks and slot when it is
+    admitted travel in the step's plan: ``SchedulerOutput.copies``)."""
 
     digests: list[bytes] = field(default_factory=list)
     """Chained hashes of the full blocks of its known tokens, extended lazily (``PrefixCache.digests``)."""
@@ -40,14 +40,8 @@ class CacheState:
     """Prefill positions whose sliding-window state is still to be saved once a step reaches them."""
     swa_copy: tuple | None = None
     """``(position, device arrays)``: the window at its latest decode block boundary, saved when it ends."""
-    restore: tuple | None = None
-    """``(position, snapshot)``: a saved window to put into its slot before its next step."""
-    uploads: list | None = None
-    """``[(device block, payload)]`` read from the lower tiers, written to the device before its next step."""
     admit_state: AdmitState | None = None
     """State computed elsewhere (engine roles): it is admitted at that length and nothing before is recomputed."""
-    slot_state: dict | None = None
-    """An ``AdmitState``'s slot state, restored into its slot before its next step."""
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ from deepinfer_jax.engine.cp_policy import cp_chunk_len, cp_turn_for, wants_cp
 from deepinfer_jax.engine.prefix_cache import PrefixCache
 from deepinfer_jax.engine.request import Request, Status
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
+__all__ = ["BlockUpload", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SlotRestore", "WindowRestore"]
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,46 @@ class ScheduledChunk:
     context_parallel: bool = False  # a long prompt's whole prefill, alone in its step (docs/context_parallel.md)
 
 
+@dataclass(frozen=True)
+class BlockUpload:
+    """A prefix hit's blocks from the lower tiers (host memory, files): ``payloads`` written into the device
+    blocks ``block_ids`` of ``request`` before the step."""
+
+    request: Request
+    block_ids: list[int]
+    payloads: list
+
+
+@dataclass(frozen=True)
+class SlotRestore:
+    """Engine roles (``cluster.roles``): a slot's whole state computed by another engine, put into
+    ``request``'s slot before the step."""
+
+    request: Request
+    state: dict
+
+
+@dataclass(frozen=True)
+class WindowRestore:
+    """A prefix hit: the sliding-window state at ``position`` put into ``request``'s slot before the step;
+    ``snapshot`` is the saved window, or None under bounded replay (the window restarts there and the
+    replayed tokens rebuild it)."""
+
+    request: Request
+    position: int
+    snapshot: object | None
+
+
 @dataclass
 class SchedulerOutput:
+    """One step's plan, everything the engine core hands the runner: the chunks, and ``copies``, the cache
+    contents (``BlockUpload``, ``SlotRestore``, ``WindowRestore``) the newly admitted requests need in their
+    blocks and slots first, in order. ``preempted``: requests sent back to the waiting queue."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     predicted_ns: float | None = None
+    copies: list[BlockUpload | SlotRestore | WindowRestore] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -225,11 +260,12 @@ class Scheduler:
                 digests = self.prefix.digests(r) if self.prefix is not None else []
                 for b, d in zip(ids, digests[len(cached) : hit // self.block_size]):
                     self.pool.register(b, d)
-                r.cache.uploads = list(zip(ids, uploads))
+                out.copies.append(BlockUpload(r, list(ids), list(uploads)))
             if r.cache.admit_state is not None:  # state computed elsewhere: restored whole, no window lookup
-                r.cache.slot_state = r.cache.admit_state.slot_state
+                out.copies.append(SlotRestore(r, r.cache.admit_state.slot_state))
             elif hit:
-                r.cache.restore = (r.num_computed, None if r.replay.approximate else self.prefix.snapshot_for(r, hit))
+                snapshot = None if r.replay.approximate else self.prefix.snapshot_for(r, hit)
+                out.copies.append(WindowRestore(r, r.num_computed, snapshot))
                 r.num_cached_tokens = r.num_cached_tokens or hit
             if self.decoder_keep is not None:  # the decoder runs on the last decoder_keep tokens only
                 r.replay.decoder_from = max(0, r.num_tokens - self.decoder_keep)
@@ -269,7 +305,7 @@ class Scheduler:
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
         self.running.remove(r)
         self._release(r)
-        r.status, r.num_computed, r.cache.registered, r.cache.restore = Status.WAITING, 0, 0, None
+        r.status, r.num_computed, r.cache.registered = Status.WAITING, 0, 0
         r.replay.approximate, r.replay.window_floor, r.replay.write_from = False, 0, 0
         r.spec.decoding, r.spec.next_conf = False, None
         r.num_preemptions += 1

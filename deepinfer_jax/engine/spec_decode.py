@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer_jax.engine.spec_policy import AcceptanceStats, StepTimes, VerifyPlan, VerifyPolicy, VerifyRow
+from deepinfer_jax.runner.step_output import StepOutput
 
 __all__ = ["SpecDecoding", "SpecStats"]
 
@@ -149,8 +150,9 @@ class SpecDecoding:
         position), and not when sampled unless ``sampled_drafts``."""
         return r.grammar.matcher is None and (self.sampled_drafts or r.params.temperature == 0)
 
-    def observe(self, chunks: Sequence, results, pending, planned: _Planned, step_ns: float) -> None:
-        """Take a reconciled step's verify rows and time back. ``step_ns``: the step's share of wall time
+    def observe(self, chunks: Sequence, out: StepOutput, planned: _Planned, step_ns: float) -> None:
+        """Take a reconciled step's verify rows (``out``: the runner's output) and time back. ``step_ns``: the
+        step's share of wall time
         (``EngineCore``: since the previous result, so host work the device did not hide counts: a
         step that verifies more tokens also reconciles and detokenizes more); None = a compilation ran
         beside the step (a lazily compiled bucket), so its time is not recorded."""
@@ -161,13 +163,13 @@ class SpecDecoding:
             times.observe(planned.tokens, step_ns)
         elif plain is not None:
             plain.observe(planned.tokens, step_ns)
-        for i, (c, res) in enumerate(zip(chunks, results)):
+        for i, (c, res) in enumerate(zip(chunks, out.tokens)):
             r = c.request
-            if res is not None and len(pending.confidence) > i:
-                r.spec.next_conf = pending.confidence[i]
+            if res is not None and out.confidence is not None and len(out.confidence) > i:
+                r.spec.next_conf = out.confidence[i]
             if not c.verify or res is None or not res:
                 continue
-            verified = pending.verified[i]
+            verified = out.verified[i]
             accepted = len(res) - 1
             s = self.stats
             s.verify_rows += 1

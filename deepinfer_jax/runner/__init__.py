@@ -2,5 +2,7 @@
 
 from deepinfer_jax.runner.buckets import Buckets
 from deepinfer_jax.runner.model_runner import ChunkSpec, Forward, ModelRunner, PendingStep, SampleSpec, StepInputError
+from deepinfer_jax.runner.step_output import SampledToken, StepOutput
 
-__all__ = ["Buckets", "ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "StepInputError"]
+__all__ = ["Buckets", "ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "SampledToken",
+           "StepInputError", "StepOutput"]

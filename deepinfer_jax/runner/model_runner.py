@@ -66,6 +66,7 @@ from deepinfer_jax.runner.step_batch import (
     validate_chunks,
 )
 from deepinfer_jax.runner.step_programs import count_trace, forward_step_flat, logits_step_flat, sample_rows
+from deepinfer_jax.runner.step_output import SampledToken, StepOutput
 
 __all__ = ["ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "StepInputError"]
 
@@ -185,20 +186,25 @@ class Forward:
 
 
 class PendingStep:
-    """A launched step; ``result()`` waits for the device and returns, per chunk in launch order,
-    ``(token_id, logprob, top_ids, top_logprobs)`` or None for chunks that sampled nothing."""
+    """A launched step; ``result()`` waits for the device and returns, per chunk in launch order, a
+    ``SampledToken`` ``(token, logprob, top_ids, top_logprobs)`` or None for chunks that sampled nothing;
+    ``output()`` is the same as a ``StepOutput``."""
 
     def __init__(self, sampled, chunks: Sequence[ChunkSpec], rows: Sequence[int] | None = None):
         self._sampled, self._chunks, self._result = sampled, chunks, None
         self._rows = range(len(chunks)) if rows is None else rows  # chunk i's row of the sampled arrays
 
-    def result(self) -> list[tuple[int, float, np.ndarray, np.ndarray] | None]:
+    def result(self) -> list[SampledToken | None]:
         if self._result is None:
             ids, lp, top_ids, top_lp = (np.asarray(a) for a in self._sampled)
-            self._result = [(int(ids[i]), float(lp[i]), top_ids[i], top_lp[i]) if c.sample is not None else None
-                            for i, c in zip(self._rows, self._chunks)]
+            self._result = [SampledToken(int(ids[i]), float(lp[i]), top_ids[i], top_lp[i]) if c.sample is not None
+                            else None for i, c in zip(self._rows, self._chunks)]
             self._sampled = None
         return self._result
+
+    def output(self) -> StepOutput:
+        """``result()`` as the engine core's typed ``StepOutput`` (one token per sampling chunk)."""
+        return StepOutput.plain(self.result())
 
 
 class ModelRunner:

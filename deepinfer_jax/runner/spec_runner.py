@@ -35,6 +35,7 @@ from deepinfer_jax.runner.buckets import Buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inputs, check_chunks, sampling_batch
+from deepinfer_jax.runner.step_output import SampledToken, StepOutput
 from deepinfer_jax.runner.step_programs import count_trace, spec_forward_step, spec_sample_step
 
 __all__ = ["SpecForward", "SpecPending", "SpecRunner"]
@@ -86,7 +87,11 @@ class SpecPending:
         self.anchors: list[int] = []  # verify rows: the anchor position they ran at
         self.confidence: list[np.ndarray] = []  # per chunk: the confidences of its next drafts [K]
 
-    def result(self) -> list[list[tuple[int, float, np.ndarray, np.ndarray]] | None]:
+    def output(self) -> StepOutput:
+        """The step's tokens per chunk with the drafts each row verified, its anchor and next confidences."""
+        return StepOutput(self.result(), self.verified, self.anchors, self.confidence)
+
+    def result(self) -> list[list[SampledToken] | None]:
         if self._result is None:
             acc, counts, anchors, conf = self._out[:4]
             flat = (lambda a: a.reshape(-1, *a.shape[2:])) if self._ranked else (lambda a: a)
@@ -97,7 +102,7 @@ class SpecPending:
                 if c.sample is None:
                     res.append(None)
                 else:
-                    res.append([(int(tokens[i, j]), float(lp[i, j]), top_ids[i, j], top_lp[i, j])
+                    res.append([SampledToken(int(tokens[i, j]), float(lp[i, j]), top_ids[i, j], top_lp[i, j])
                                 for j in range(int(n_new[i]))])
                 self.verified.append(int(counts[i]))
                 self.anchors.append(int(anchors[i]))
