@@ -3,7 +3,8 @@
 The equality checks run in one subprocess with 8 fake CPU devices (``tests/sharded/cp_check.py``): a CP
 prefill against the unsharded paged step (logits, every cache entry, the greedy continuation) for prompts
 of odd lengths, pieces shorter than the window, a prompt shorter than the halo, a chunk after a 61-token
-prefix, quantized storage over 8 ranks, and the engine on ``cpu-cp4`` against the one-device engine. The
+prefix, quantized storage over 8 ranks, the CP step's indexer forced into 8-token tiles (``model.index_tiles``)
+against the untiled one-device step, and the engine on ``cpu-cp4`` against the one-device engine. The
 layout and the settings' errors are checked here, without devices.
 """
 
@@ -17,7 +18,7 @@ from deepinfer_jax.parallel.cp_layout import cp_layout
 from tests.sharded import run_checks
 
 DEQUANT = ["cp4_301", "cp4_37_pieces_below_window", "cp4_5_below_halo", "cp4_203_after_61_prefix"]
-ALL = DEQUANT + ["cp8_389_quantized_no_engram"]
+ALL = DEQUANT + ["cp8_389_quantized_no_engram", "cp4_301_tiles8"]
 #: XLA:CPU rounds a matmul row differently with another row count (docs/context_parallel.md): the
 #: compressor's fp32 partial state (values and gate scores of the last group, not a block) may differ by
 #: an ulp in a few rows. Measured: 8 of 64 rows per leaf, 1.2e-7 at most.
@@ -36,6 +37,7 @@ def test_cp_prefill_equals_the_unsharded_step(checks, case):
     assert row["greedy_cp"] == row["greedy_ref"], row
     for leaf, rows, worst in row["differing_leaves"]:  # blocks, SWA rings and Engram rings: byte for byte
         assert leaf.startswith("['comp']") and worst <= COMP_STATE_ULPS, row
+    assert (row["tiled_layers"] > 0) == case.endswith("tiles8"), row  # 8-token indexer tiles in the CP step
 
 
 def test_the_engine_prefills_long_prompts_by_cp_equal_to_one_device(checks):

@@ -10,6 +10,7 @@ the largest logit difference, how many cache entries differ, and whether the gre
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -37,6 +38,7 @@ CASES = [  # the cp4 dequantized cases share one compiled CP program (pieces pad
     ("cp4_5_below_halo", 4, 0, 5, "dequantized"),
     ("cp4_203_after_61_prefix", 4, 61, 203, "dequantized"),
     ("cp8_389_quantized_no_engram", 8, 0, 389, "quantized"),  # Engram's hash graph doubles the compile time
+    ("cp4_301_tiles8", 4, 0, 301, "dequantized"),  # the CP step's indexer in 8-token tiles (``tiled_run``)
 ]
 
 
@@ -101,6 +103,24 @@ def cache_diff(a, b, where=None):
     return diff, total
 
 
+def tiled_run(args, mesh):
+    """``cp_prefill`` traced with the indexer's tile budget forced down to 8-token tiles (``model.index_tiles``;
+    each rank's pieces are then many tiles), against the ordinary, untiled, one-device step as the reference.
+    Returns (logits, cache, how many layer traces scored in tiles)."""
+    from deepinfer_jax.model import index_tiles
+
+    calls, score, budget = [], index_tiles._tile_scores, index_tiles.TILE_BUDGET
+    index_tiles._tile_scores = lambda *a: calls.append(1) or score(*a)
+    index_tiles.TILE_BUDGET = 1  # tile = MIN_TILE tokens
+    try:  # a function of its own: nothing traced under the default budget is reused
+        run = jax.jit(functools.partial(cp_prefill), static_argnums=(1, 2),
+                      static_argnames=("mesh", "axis", "comm_log"), donate_argnums=(3,))
+        got, cache = run(*args, mesh=mesh, comm_log=None)
+    finally:
+        index_tiles._tile_scores, index_tiles.TILE_BUDGET = score, budget
+    return got, cache, len(calls)
+
+
 def main():
     cfg = config()
     params = params_for(cfg)
@@ -143,10 +163,14 @@ def main():
         lin = lin._replace(**{k: jax.device_put(getattr(lin, k), shard)
                               for k in ("positions", "valid", "flat", "tail_at")})
         log = []
-        run = jax.jit(cp_prefill, static_argnums=(1, 2), static_argnames=("mesh", "axis", "comm_log"),
-                      donate_argnums=(3,))
-        got, cp_cache = run(cp_params, cfg, cache_cfg, cp_cache, jax.device_put(inp, repl), lin, mesh=mesh,
-                            comm_log=None)
+        args = (cp_params, cfg, cache_cfg, cp_cache, jax.device_put(inp, repl), lin)
+        tiles = 0
+        if "tiles8" in name:
+            got, cp_cache, tiles = tiled_run(args, mesh)
+        else:
+            run = jax.jit(cp_prefill, static_argnums=(1, 2), static_argnames=("mesh", "axis", "comm_log"),
+                          donate_argnums=(3,))
+            got, cp_cache = run(*args, mesh=mesh, comm_log=None)
         want, got = np.asarray(want), np.asarray(got)
         leaves = []
         diff, total = cache_diff(ref, cp_cache, leaves)
@@ -165,7 +189,8 @@ def main():
                           "max_logit_diff": float(np.abs(want - got).max()),
                           "rel_logit_diff": float(np.abs(want - got).max() / scale),
                           "cache_entries_differ": diff, "cache_entries": total, "differing_leaves": leaves,
-                          "greedy_ref": seq_r, "greedy_cp": seq_c, "seconds": round(time.perf_counter() - t0, 1)}),
+                          "greedy_ref": seq_r, "greedy_cp": seq_c, "tiled_layers": tiles,
+                          "seconds": round(time.perf_counter() - t0, 1)}),
               flush=True)
     if not only or "engine" in only:
         engine_row(*models[True])
