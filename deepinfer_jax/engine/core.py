@@ -60,7 +60,7 @@ from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
 from deepinfer_jax.engine.ranks import check_schedulers, eplb_stats, make_rebalancer, merge_plans
 from deepinfer_jax.engine.request import AdmitState, Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
-from deepinfer_jax.engine.scheduler import BlockUpload, Scheduler, SchedulerOutput, SlotRestore
+from deepinfer_jax.engine.scheduler import BlockUpload, Scheduler, SchedulerOutput, SlotRestore, update_from_output
 from deepinfer_jax.engine.spec_decode import SpecDecoding
 from deepinfer_jax.engine.structured import StructuredOutputs
 from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, PendingStep, SampleSpec, StepOutput
@@ -555,17 +555,13 @@ class EngineCore:
             self._save_snapshot(r, pos, arrays)
         self._write_back(step.writebacks)
         finished = []
+        update_from_output(step.plan, out)  # the requests' progress through the cache
         for i, (chunk, res) in enumerate(zip(step.plan.chunks, results)):
             r = chunk.request
-            r.inflight -= 1
             if res is None or r.finished:
                 continue
-            r.num_pending -= 1
-            r.spec.pending_max -= chunk.num_tokens if chunk.verify else 1
-            if chunk.verify and r.spec.decoding:  # the anchor and the accepted drafts are in the cache now
-                r.num_computed = max(r.num_computed, out.anchors[i] + len(res))
-                if i in step.crossings:
-                    self._crossed(r, out.anchors[i], len(res), step.crossings[i])
+            if chunk.verify and r.spec.decoding and i in step.crossings:
+                self._crossed(r, out.anchors[i], len(res), step.crossings[i])
             for token in res:
                 if self._accept(r, *token, ready):
                     finished.append(r.to_output())

@@ -32,8 +32,10 @@ from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.cp_policy import cp_chunk_len, cp_turn_for, wants_cp
 from deepinfer_jax.engine.prefix_cache import PrefixCache
 from deepinfer_jax.engine.request import Request, Status
+from deepinfer_jax.runner.step_output import StepOutput
 
-__all__ = ["BlockUpload", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SlotRestore", "WindowRestore"]
+__all__ = ["BlockUpload", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SlotRestore", "WindowRestore",
+           "update_from_output"]
 
 
 @dataclass(frozen=True)
@@ -331,3 +333,20 @@ class Scheduler:
         self._release(r)
         r.status, r.finish_reason, r.stop_reason = Status.FINISHED, reason, stop_reason
         r.num_pending = r.spec.pending_max = 0
+
+
+def update_from_output(plan: SchedulerOutput, out: StepOutput) -> None:
+    """Take a reconciled step's output back into its requests' scheduling state (any DP rank's: it is the
+    requests' own): the step is no longer in flight; a chunk that sampled has its token off the device;
+    a verify row has its anchor and accepted drafts in the cache (``num_computed``), which the plan could
+    only bound. A request that ended meanwhile (``Scheduler.finish``) keeps its zeroed counts. The tokens
+    themselves go to the engine core (stop rules, detokenizing, the output)."""
+    for i, (chunk, res) in enumerate(zip(plan.chunks, out.tokens)):
+        r = chunk.request
+        r.inflight -= 1
+        if res is None or r.finished:
+            continue
+        r.num_pending -= 1
+        r.spec.pending_max -= chunk.num_tokens if chunk.verify else 1
+        if chunk.verify and r.spec.decoding:
+            r.num_computed = max(r.num_computed, out.anchors[i] + len(res))
