@@ -110,7 +110,6 @@ def child_bucket() -> dict:
     from deepinfer_jax.config import CacheConfig
     from deepinfer_jax.llm import DEFAULT_CHECKPOINT
     from deepinfer_jax.runner import Buckets, ModelRunner
-    from deepinfer_jax.runner.spec_runner import SpecRunner
     from deepinfer_jax.runner.step_batch import logit_rows, sampling_batch
 
     jax.config.update("jax_enable_compilation_cache", False)
@@ -130,7 +129,12 @@ def child_bucket() -> dict:
     t2 = time.perf_counter()
     out["plain"] = {"trace_s": t1 - t0, "compile_s": t2 - t1, "hlo_mb": len(compiled.as_text()) / 1e6}
     drafter = load_hf_drafter(DEFAULT_CHECKPOINT, cfg)
-    spec = SpecRunner(cfg, params, drafter, cc, buckets)
+    try:  # a baseline tree from before the step components: the speculative runner was a subclass
+        from deepinfer_jax.runner.spec_runner import SpecRunner
+
+        spec = SpecRunner(cfg, params, drafter, cc, buckets)
+    except ImportError:
+        spec = ModelRunner(cfg, params, cc, buckets, drafter=drafter).speculation
     t0 = time.perf_counter()
     spec.sample(spec._dispatch([[]], [0], [True], 64, 4, 8)).result()  # both speculative programs, traced and compiled
     out["spec"] = {"first_step_s": time.perf_counter() - t0}

@@ -12,8 +12,8 @@ configuration was profiled on this machine before.
 
 Speculative decoding (``speculation``, engine.md §2.3) is on by default when the checkpoint ships a
 DSpark drafter (``drafter.safetensors`` or ``mtp.*`` tensors), as the default checkpoint does: the
-engine then runs a ``runner.SpecRunner`` and plans each step's verification with the confidence-driven
-budget, whose step times it profiles once per token bucket at start-up.
+runner then holds the speculative step component (``runner.spec_step``) and the engine plans each step's
+verification with the confidence-driven budget, whose step times it profiles once per token bucket at start-up.
 
 Weights stay resident in the checkpoint's FP8/FP4 formats by default (``weights="auto"``: quantized
 for a quantized checkpoint on one device; ``"float32"`` / ``"bfloat16"`` decode at load; docs/residency.md).
@@ -208,28 +208,16 @@ class LLM:
                     raise
                 logging.getLogger(__name__).warning("%s; running without a block store", e)
         t0 = time.perf_counter()
+        spec = {}  # the speculative step component; a cp preset adds the context-parallel one itself
         if self.speculation != "none":
             from deepinfer_jax.checkpoint.draft_vocab import load_draft_vocab
-            from deepinfer_jax.runner.spec_runner import SpecRunner
 
-            vocab = load_draft_vocab(ckpt, cfg.vocab_size, ec.draft_vocab_size)
-            self.runner = SpecRunner(cfg, params, drafter, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                     decoder_replay=ec.decoder_replay, draft_vocab=vocab, mesh=self.mesh,
-                                     preset=self.sharding_preset)
-        elif self.sharding_preset is None:
-            self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                      decoder_replay=ec.decoder_replay)
-        elif self.sharding_preset.context_parallel:  # one cache; long prompts prefill over the cp ranks
-            from deepinfer_jax.runner.cp_runner import CPRunner
-
-            self.runner = CPRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                   decoder_replay=ec.decoder_replay, mesh=self.mesh, preset=self.sharding_preset)
-        else:  # one cache per DP rank (cache_cfg is one rank's), one step for all ranks
-            self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                      decoder_replay=ec.decoder_replay, mesh=self.mesh, preset=self.sharding_preset)
+            spec = dict(drafter=drafter, draft_vocab=load_draft_vocab(ckpt, cfg.vocab_size, ec.draft_vocab_size))
+        mesh = {} if self.sharding_preset is None else dict(mesh=self.mesh, preset=self.sharding_preset)
+        self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
+                                  decoder_replay=ec.decoder_replay, **mesh, **spec)
         self._online_saves: dict[str, Path] = {}  # profiles fitted online, saved after each generate
-        if hasattr(self.runner, "bucket_use"):  # lazy: short runs reuse a compiled larger bucket (BucketUse)
-            self.runner.bucket_use.lazy = ec.precompile == "lazy"
+        self.runner.bucket_use.lazy = ec.precompile == "lazy"
         if ec.precompile == "all":
             with tqdm(desc="compiling step buckets", unit="bucket", disable=not use_tqdm) as bar:
                 self.runner.precompile(sampling=True, progress=_bar_progress(bar))
@@ -248,7 +236,7 @@ class LLM:
                                        overlap=ec.structured_output_overlap)
         spec = self._spec_decoding(k, use_tqdm) if k else None
         # one scheduling domain per attention DP rank (one device, and a context-parallel preset: one)
-        self.engine = EngineCore(self.runner, [make_scheduler() for _ in range(getattr(self.runner, "dp_size", 1))],
+        self.engine = EngineCore(self.runner, [make_scheduler() for _ in range(self.runner.dp_size)],
                                  tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
                                  async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
                                  structured=structured, spec=spec)

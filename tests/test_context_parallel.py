@@ -42,7 +42,7 @@ def test_cp_prefill_equals_the_unsharded_step(checks, case):
 
 def test_the_engine_prefills_long_prompts_by_cp_equal_to_one_device(checks):
     row = checks["engine"]
-    assert row["runner"] == "CPRunner" and row["cp_steps"] == 1, row  # the 300-token prompt alone
+    assert row["components"] == ["context_parallel"] and row["cp_steps"] == 1, row  # the 300-token prompt alone
     assert row["ids_equal"] and row["max_logprob_diff"] < 1e-4, row
     assert row["cached_cp"] == row["cached_ref"] > 0, row  # blocks the CP prefill wrote are prefix hits
 

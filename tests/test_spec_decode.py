@@ -26,7 +26,6 @@ from deepinfer_jax.model import speculative as S
 from deepinfer_jax.model.dspark import init_drafter_params
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, SampleSpec, StepInputError
-from deepinfer_jax.runner.spec_runner import SpecRunner
 
 K = CFG.dspark_block_size
 
@@ -170,7 +169,8 @@ def test_rejected_drafts_leave_the_cache_as_a_plain_run_would(exact_cfg, params)
             toks.append(plain.launch([ChunkSpec(slot=s, block_table=tables[s], ctx_len=len(p) + i - 1,
                                                 token_ids=[toks[-1]], sample=SampleSpec())]).result()[0][0])
         ref.append(toks)
-    spec = SpecRunner(cfg, params, init_drafter_params(cfg, seed=4), cc, bk)
+    spec = ModelRunner(cfg, params, cc, bk, drafter=init_drafter_params(cfg, seed=4))
+    assert plain.speculation is None and spec.speculation is not None
     out = [[t for t, *_ in res] for res in spec.launch(
         [ChunkSpec(slot=s, block_table=tables[s], ctx_len=0, token_ids=p, sample=SampleSpec(), prompt_len=len(p))
          for s, p in enumerate(prompts)], draft=False).result()]
@@ -181,7 +181,9 @@ def test_rejected_drafts_leave_the_cache_as_a_plain_run_would(exact_cfg, params)
             d = np.array((ref[s][len(out[s]):] + [0] * K)[:K])
             bad = rng.random(K) < 0.3
             drafts[s] = np.where(bad, (d + 1) % cfg.vocab_size, d)
-        spec.spec = spec.spec._replace(drafts=jnp.asarray(drafts), conf=jnp.asarray(rng.random((4, K)), jnp.float32))
+        state = spec.speculation.state
+        spec.speculation.state = state._replace(drafts=jnp.asarray(drafts),
+                                                conf=jnp.asarray(rng.random((4, K)), jnp.float32))
         rows = [ChunkSpec(slot=s, block_table=tables[s], ctx_len=len(prompts[s]) + len(out[s]) - 1, token_ids=[0],
                           verify=True, max_drafts=K, limit=len(prompts[s]) + new, prompt_len=len(prompts[s]),
                           sample=SampleSpec()) for s in range(3)]
@@ -216,14 +218,20 @@ def test_rejected_drafts_leave_the_cache_as_a_plain_run_would(exact_cfg, params)
 
 
 def test_spec_runner_refuses_bad_input(params):
+    bk = Buckets(tokens=(8,), requests=(2,), blocks=(4,))
     cc = CacheConfig(block_size=16, num_blocks=8, max_requests=2, max_blocks_per_request=4, spec_slack=2)
     with pytest.raises(ValueError, match="spec_slack"):
-        SpecRunner(CFG, params, init_drafter_params(CFG), cc, Buckets(tokens=(8,), requests=(2,), blocks=(4,)))
+        ModelRunner(CFG, params, cc, bk, drafter=init_drafter_params(CFG))
     cc = CacheConfig(block_size=16, num_blocks=8, max_requests=2, max_blocks_per_request=4)
     with pytest.raises(ValueError, match="draft_vocab"):
-        SpecRunner(CFG, params, init_drafter_params(CFG), cc, Buckets(tokens=(8,), requests=(2,), blocks=(4,)),
-                   draft_vocab=[3, 3, 4])
-    runner = SpecRunner(CFG, params, init_drafter_params(CFG), cc, Buckets(tokens=(8,), requests=(2,), blocks=(4,)))
+        ModelRunner(CFG, params, cc, bk, drafter=init_drafter_params(CFG), draft_vocab=[3, 3, 4])
+    plain = ModelRunner(CFG, params, cc, bk)  # speculation's keywords need the speculative step
+    prefill = ChunkSpec(slot=0, block_table=[0], ctx_len=0, token_ids=[5, 6], sample=SampleSpec())
+    with pytest.raises(StepInputError, match="no drafter"):
+        plain.forward([prefill], budget=2)
+    with pytest.raises(StepInputError, match="no drafter"):
+        plain.launch([prefill], draft=False)
+    runner = ModelRunner(CFG, params, cc, bk, drafter=init_drafter_params(CFG))
     row = ChunkSpec(slot=0, block_table=[0], ctx_len=15, token_ids=[0], verify=True, max_drafts=K, limit=100,
                     sample=SampleSpec())
     with pytest.raises(StepInputError, match="beyond"):  # 15 + 1 + 5 positions need two blocks

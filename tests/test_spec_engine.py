@@ -59,7 +59,7 @@ def draft_for(seq: list[int], k: int, salt: int) -> list[int]:
 
 
 class FakeSpecRunner(FakeRunner):
-    """``SpecRunner``'s interface over the known model: verify rows take their tokens from the slot.
+    """The speculative runner's interface over the known model: verify rows take their tokens from the slot.
 
     Per slot: ``kv`` the computed tokens (the cache), ``last`` the anchor (known, not computed yet),
     ``drafts`` / ``conf`` the next block."""

@@ -37,7 +37,7 @@ def test_the_shipped_drafter_loads_and_auto_speculates(spec_llm):
     policy = spec_llm.engine.spec.policy
     assert policy.name == "dspark" and policy.deterministic_k == 0  # seeded requests decode plainly under "auto"
     vocab = load_draft_vocab(DEFAULT_CHECKPOINT, spec_llm.model_config.vocab_size)
-    assert len(vocab) == 8192 and spec_llm.runner.heads.ids.shape == (8192,)
+    assert len(vocab) == 8192 and spec_llm.runner.speculation.heads.ids.shape == (8192,)
 
 
 def test_auto_seeded_requests_decode_as_without_speculation(spec_llm, plain_llm):

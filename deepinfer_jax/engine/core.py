@@ -18,10 +18,10 @@ has read step N's tokens), and only the small sampling program waits for them. W
 structured-output benchmark compares against). A request whose grammar allows no next token ends
 with finish reason ``"error"`` and the backend's message as ``stop_reason``.
 
-Speculative decoding (engine.md §2.3, ``spec=SpecDecoding`` with a ``runner.SpecRunner``): a decoding
-request's row verifies drafts on the device; the verification policy sets each row's cap and the
-step's budget (``engine.spec_decode``), and a row may add several tokens, which the host takes in
-order, stopping at the first that ends the request. Structured-output requests verify no drafts
+Speculative decoding (engine.md §2.3, ``spec=SpecDecoding``, the runner holding the speculative step
+``runner.spec_step``): a decoding request's row verifies drafts on the device; the verification
+policy sets each row's cap and the step's budget (``engine.spec_decode``), and a row may add several
+tokens, which the host takes in order, stopping at the first that ends the request. Structured-output requests verify no drafts
 (their mask covers one position).
 
 Requests are validated when added (``RequestError`` naming the field, including grammars that do

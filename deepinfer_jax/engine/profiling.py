@@ -66,7 +66,7 @@ def profile_step_times(runner, repeats: int = 2, progress=None, draft: bool = Tr
     budget (``engine.spec_policy.StepTimes``): the largest request bucket's rows, each a chunk that
     samples with ``sample`` (default greedy; a top-p one makes every logit row run the filter search),
     so the step also runs the drafter unless ``draft`` is False, splitting the bucket's tokens between
-    them. ``runner`` is a ``SpecRunner``."""
+    them. ``runner`` holds the speculative step (``runner.speculation``)."""
     sample = sample or SampleSpec()
     cc = runner.cache_cfg
     r = min(runner.buckets.requests[-1], cc.max_requests)

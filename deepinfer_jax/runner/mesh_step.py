@@ -16,7 +16,7 @@ With EPLB (``ep_size > 1`` and the preset's ``eplb.enabled``) the step runs as o
 layer's routing tables as a jit argument, and returns every layer's pair count per physical slot.
 Sampling is one program over the ``dp x rows`` logits (``dp_sample``).
 
-Speculative decoding (``runner.spec_runner.SpecRunner`` over a mesh, ``spec_programs``): the same layout for the
+Speculative decoding (``runner.spec_step.SpeculativeStep`` over a mesh, ``spec_programs``): the same layout for the
 speculative pair of ``step_programs``. The model step (``dp_spec_forward``, or ``dp_spec_forward_ep`` with the EP
 MoE) builds each rank's verify rows from that rank's slice of the stacked speculative state and runs every rank
 in one program split over the DP axes, as the plain step does; acceptance and drafting (``dp_spec_sample``) is

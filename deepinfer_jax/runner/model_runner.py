@@ -10,6 +10,10 @@ padded to one common bucket shape (an idle rank is all padding, which writes not
 sampled ids stay on the device, in a ``[slots]`` (one device) or ``[dp, slots]`` buffer, feeding
 the next step by rank and slot. The jitted programs themselves are ``runner.step_programs``.
 
+Speculation and context parallelism are step components the runner holds, not other runners
+(``runner.spec_step.SpeculativeStep`` as ``speculation``, ``runner.cp_step.ContextParallelStep`` as
+``context_parallel``): ``forward`` / ``sample`` / ``precompile`` / ``execute`` hand them their part.
+
 Two entry points share the model step: ``execute`` returns logits (for tests and research),
 ``launch`` (= ``forward`` then ``sample``, two jitted programs) samples after the step
 (``model.sampler``) and returns a ``PendingStep`` without waiting for the device; between
@@ -213,10 +217,17 @@ class ModelRunner:
 
     ``mesh`` / ``preset`` (a ``sharding.ShardingPreset`` or its name): the attention data-parallel ranks
     (``dp_size``), one cache each; ``cache_cfg`` is one rank's cache. Without them: one device, ``dp_size`` 1.
+    A preset with a ``cp`` axis keeps one cache on the mesh's first device (``mesh`` stays None) and adds the
+    context-parallel step component (``runner.cp_step``; ``cp_pad_to``: its piece padding).
+
+    ``drafter`` (the DSpark drafter's state) adds the speculative step component (``runner.spec_step``;
+    ``draft_vocab``: the ids it may propose, None = all): the engine's step is then the speculative one. The
+    components share the runner's cache, slots, buckets and mesh; the runner's entry points hand them their part.
     """
 
     def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5,
-                 decoder_replay: bool = False, *, mesh=None, preset=None):
+                 decoder_replay: bool = False, *, mesh=None, preset=None, drafter=None, draft_vocab=None,
+                 cp_pad_to: int = 64):
         cache_cfg.validate_for(cfg)
         self.cfg, self.cache_cfg = cfg, cache_cfg
         self.buckets = buckets or Buckets()
@@ -226,8 +237,16 @@ class ModelRunner:
             raise ValueError("decoder_replay needs a model with decoder layers (a CED split)")
         if (mesh is None) != (preset is None):
             raise ValueError("mesh and preset: give both (a device mesh) or neither (one device)")
+        if preset is not None:
+            from deepinfer_jax import sharding as sh
+
+            preset = sh.resolve_preset(preset)
+        cp = preset is not None and preset.context_parallel
+        if cp and drafter is not None:
+            raise ValueError(f"speculation with context parallelism ({preset.name!r}) is not supported yet: "
+                             "give no drafter (docs/context_parallel.md)")
         self.decoder_replay = decoder_replay
-        self.mesh, self.preset, self.dp_size = mesh, None, 1
+        self.mesh, self.preset, self.dp_size = (None if cp else mesh), None, 1
         #: The EPLB placement of the experts' physical slots (None: no EP MoE).
         self.placement = None
         self.ep_spec = None
@@ -236,10 +255,24 @@ class ModelRunner:
         self.bucket_use = BucketUse(self.buckets.tokens, blocks=self.buckets.blocks)
         self.mask_words = (cfg.vocab_size + 31) // 32
         self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device(s)
-        if mesh is None:
+        #: The step components (None when off): ``runner.spec_step.SpeculativeStep`` (built from ``drafter``) and
+        #: ``runner.cp_step.ContextParallelStep`` (a preset with a ``cp`` axis).
+        self.speculation = self.context_parallel = None
+        if cp:  # one cache on the mesh's first device; long prompts' chunks over the cp ranks
+            from deepinfer_jax.runner.cp_step import ContextParallelStep, check_cp_mesh
+
+            check_cp_mesh(mesh, preset)
+            with jax.default_device(mesh.devices.flat[0]):
+                self._one_device_programs(params)
+            self.context_parallel = ContextParallelStep(self, params, mesh, preset, cp_pad_to)
+        elif mesh is None:
             self._one_device_programs(params)
         else:
             self._mesh_programs(params, mesh, preset)
+        if drafter is not None:
+            from deepinfer_jax.runner.spec_step import SpeculativeStep
+
+            self.speculation = SpeculativeStep(self, params, drafter, draft_vocab)
 
     def _one_device_programs(self, params) -> None:
         cfg, cache_cfg = self.cfg, self.cache_cfg
@@ -360,7 +393,10 @@ class ModelRunner:
     def precompile(self, sampling: bool = False, progress=None) -> None:
         """Compile every bucket with all-padding inputs (they write nothing): the logits step, or
         with ``sampling`` the engine's sampling step (over a mesh always the engine's step, and the
-        weight move of a rebalance). ``progress(i, total)`` is called per bucket."""
+        weight move of a rebalance). ``progress(i, total)`` is called per bucket. With speculation the engine's
+        step is the speculative one (``SpeculativeStep.precompile``)."""
+        if self.speculation is not None and (sampling or self.mesh is not None):
+            return self.speculation.precompile(progress)
         shapes = self.buckets.shapes()
         if self.mesh is not None:
             if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
@@ -495,17 +531,33 @@ class ModelRunner:
             ids, rows, *at_ = self._host_args(ids, rows, *at)
             self.cache = self._write_blocks_fn(self.cache, ids, rows, *at_)
 
-    def launch(self, chunks) -> PendingStep:
-        """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``); ``result()``
-        lists the chunks rank by rank."""
-        return self.sample(self.forward(chunks))
+    def launch(self, chunks, budget=0, draft=True, logprobs: bool = True):
+        """Validate, then dispatch one sampling step without waiting for it (see ``PendingStep``; with speculation a
+        ``SpecPending``); ``result()`` lists the chunks rank by rank. The keywords as in ``forward``."""
+        return self.sample(self.forward(chunks, budget, draft, logprobs))
 
-    def forward(self, chunks) -> Forward:
+    def forward(self, chunks, budget=0, draft=True, logprobs: bool = True):
         """Validate and dispatch the model step alone; ``sample`` then dispatches its sampling. Between
         the two the device runs the step while the host computes token masks (structured output).
         ``chunks``: one device: the step's chunk list; over a mesh: one list per DP rank (empty = the rank
-        idles). ``StepInputError`` names the rank and chunk that cannot run."""
+        idles). ``StepInputError`` names the rank and chunk that cannot run.
+
+        With the speculation component (``self.speculation``) the step is speculative (``runner.spec_step``):
+        ``budget`` drafts to verify, ``draft`` whether to draft the next blocks, ``logprobs`` whether to compute
+        them (each one value, or one per DP rank); it returns a ``SpecForward``. Without it they must keep their
+        defaults. A context-parallel chunk (``self.context_parallel``) runs alone over the ``cp`` ranks."""
+        if self.context_parallel is not None:
+            cp = self.context_parallel.chunk(chunks)
+            if cp is not None:
+                logits, inp = self.context_parallel.run(cp)
+                _, sampling, sample_slot = sampling_batch([cp], inp, inp.token_ids.shape[0], 1,
+                                                          self.cache_cfg.max_requests)
+                return Forward(logits, sampling, sample_slot, [cp], 1, [0])
         by_rank = self._by_rank(chunks)
+        if self.speculation is not None:
+            return self.speculation.forward(by_rank, budget, draft, logprobs)
+        if not (isinstance(budget, int) and budget == 0) or draft is not True:
+            raise StepInputError("budget / draft: this runner has no drafter (build it with drafter= to speculate)")
         if self.mesh is None:
             n, r, b = self._validate(by_rank[0])
             n, b = self.bucket_use.choose(n, r, b)
@@ -525,9 +577,12 @@ class ModelRunner:
         _, r, _ = pick_shape(self.buckets, by_rank)
         return self.dp_size * r, [d * r + k for d, cs in enumerate(by_rank) for k in range(len(cs))]
 
-    def sample(self, fwd: Forward, mask: np.ndarray | None = None) -> PendingStep:
+    def sample(self, fwd, mask: np.ndarray | None = None):
         """Dispatch the sampling of a ``forward`` step: ``mask`` [fwd.rows, mask_words] (i32, packed; row
-        ``fwd.chunk_rows[i]`` is chunk i's, see ``Forward``) limits each row's tokens; None = no limit."""
+        ``fwd.chunk_rows[i]`` is chunk i's, see ``Forward``) limits each row's tokens; None = no limit. A
+        speculative step's acceptance and drafting (``SpeculativeStep.sample``) return a ``SpecPending``."""
+        if self.speculation is not None:
+            return self.speculation.sample(fwd, mask)
         if mask is None:
             if fwd.rows not in self._no_mask:
                 self._no_mask[fwd.rows] = self._all_ones((fwd.rows, self.mask_words))
@@ -547,7 +602,14 @@ class ModelRunner:
         return PendingStep(out, fwd.chunks, fwd.chunk_rows)
 
     def execute(self, chunks: Sequence[ChunkSpec]) -> list[np.ndarray]:
-        """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32)."""
+        """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32); a context-parallel
+        chunk returns its last token's logits [1, vocab]."""
+        if self.context_parallel is not None:
+            cp = self.context_parallel.chunk(chunks)
+            if cp is not None:
+                if cp.offsets != (len(cp.token_ids) - 1,):
+                    raise StepInputError("a context-parallel chunk returns the logits of its last token only")
+                return [np.asarray(self.context_parallel.run(cp)[0])]
         self._one_device("execute")
         n, r, b = self._validate(chunks)
         inputs = self._inputs(chunks, n, r, b)
@@ -659,4 +721,4 @@ class _EveryRank:
         self.runner, self.cache_cfg, self.buckets = runner, runner.cache_cfg, runner.buckets
 
     def launch(self, chunks: Sequence[ChunkSpec], **step) -> PendingStep:
-        return self.runner.launch([list(chunks)] * self.runner.dp_size, **step)  # ``step``: a SpecRunner's options
+        return self.runner.launch([list(chunks)] * self.runner.dp_size, **step)  # ``step``: speculation's options

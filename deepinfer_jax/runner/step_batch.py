@@ -41,7 +41,7 @@ class ChunkSpec:
     ``decoder_replay``): only tokens at or past ``decoder_from`` run the decoder layers, whose windows
     see nothing below ``decoder_floor``.
 
-    Speculative rows (``SpecRunner`` only): ``verify`` marks a decoding request whose tokens come from
+    Speculative rows (speculative step only): ``verify`` marks a decoding request whose tokens come from
     the device (its anchor and up to ``max_drafts`` drafts of its slot; ``token_ids`` is ignored and
     ``ctx_len`` is an upper bound of the anchor position, so the blocks must cover
     ``min(ctx_len + 1 + max_drafts, limit)`` tokens). ``forced``: always verify all ``max_drafts``
@@ -49,7 +49,7 @@ class ChunkSpec:
     ``prompt_len``: the request's prompt length (verified tokens' output positions). ``ctx_from``: host
     chunks: the first position the request computed since admission (the drafter's context starts there).
     ``context_parallel``: the chunk is a long prompt's prefill that runs alone in its step, split by position
-    over the ``cp`` mesh axis (``runner.cp_runner``; docs/context_parallel.md).
+    over the ``cp`` mesh axis (``runner.cp_step``; docs/context_parallel.md).
     """
 
     slot: int

@@ -8,7 +8,7 @@ jits, on one device as they are and over a mesh once per attention data-parallel
 counts the programs a process built (a program loaded from the program store counts through
 ``count_trace``); tests assert that a long mixed run never recompiles.
 
-``spec_forward_step`` / ``spec_sample_step`` are the speculative engine's pair (``runner.spec_runner``): the model
+``spec_forward_step`` / ``spec_sample_step`` are the speculative engine's pair (``runner.spec_step``): the model
 step whose verify rows the device builds from the slots' drafts (with the DSpark feature capture), then acceptance
 and the next drafts. Like the plain pair they run as they are on one device and once per DP rank over a mesh.
 """

@@ -222,12 +222,13 @@ def engine_row(cfg, params):
         outs[name] = {"ids": [o.outputs[0].token_ids for o in first + again],
                       "lp": [[t.logprob for t in o.outputs[0].logprobs] for o in first + again],
                       "cached": again[0].num_cached_tokens,
-                      "cp_steps": getattr(llm.runner, "cp_steps", 0), "runner": type(llm.runner).__name__}
+                      "cp_steps": 0 if llm.runner.context_parallel is None else llm.runner.context_parallel.steps,
+                      "components": [k for k in ("speculation", "context_parallel") if getattr(llm.runner, k)]}
     a, b = outs["one_device"], outs["cp4"]
     print(json.dumps({"check": "engine", "ids_equal": a["ids"] == b["ids"], "ids": b["ids"],
                       "max_logprob_diff": max(abs(x - y) for la, lb in zip(a["lp"], b["lp"]) for x, y in zip(la, lb)),
                       "cached_ref": a["cached"], "cached_cp": b["cached"], "cp_steps": b["cp_steps"],
-                      "runner": b["runner"], "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+                      "components": b["components"], "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
 if __name__ == "__main__":

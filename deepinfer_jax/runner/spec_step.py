@@ -1,6 +1,10 @@
-"""SpecRunner: the ``ModelRunner`` with DSpark speculative decoding (engine.md §2.3).
+"""The speculative step: the ``ModelRunner`` component for DSpark speculative decoding (docs/speculative.md).
 
-Two jitted programs per step, as in ``ModelRunner``:
+A runner built with a drafter (``ModelRunner(..., drafter=...)``) holds one ``SpeculativeStep`` as
+``runner.speculation``: the drafter, its heads, the per-slot speculative state and the two jitted programs
+that take the place of the plain step's pair. The runner's ``forward`` / ``sample`` / ``launch`` /
+``precompile`` hand their work to it; the cache, the per-slot last ids, the buckets and the mesh stay the
+runner's.
 
 - ``forward(chunks, budget)``: the model step. Host chunks (prefill pieces, ``ChunkSpec`` as usual)
   come first; then every *verify row* (``ChunkSpec(verify=True)``: a decoding request, named by its
@@ -12,9 +16,9 @@ Two jitted programs per step, as in ``ModelRunner``:
   the new anchor, and the drafter's next block for every row that produced a token (optionally
   skipped: ``draft=False``). Between the two the host may compute structured-output masks.
 
-Results come back per chunk as a list of ``(token_id, logprob, top_ids, top_logprobs)`` (empty for a
-verify row that was past its limit, None for a chunk that samples nothing), plus per chunk the
-number of drafts it verified, its anchor position and the confidences of its next drafts.
+Results come back per chunk as a list of ``SampledToken`` (empty for a verify row that was past its limit,
+None for a chunk that samples nothing), plus per chunk the number of drafts it verified, its anchor
+position and the confidences of its next drafts (``SpecPending.output()``, a ``StepOutput``).
 """
 
 from __future__ import annotations
@@ -32,13 +36,12 @@ from deepinfer_jax.model.host_arrays import filled
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner.buckets import Buckets
-from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inputs, check_chunks, sampling_batch
 from deepinfer_jax.runner.step_output import SampledToken, StepOutput
 from deepinfer_jax.runner.step_programs import count_trace, spec_forward_step, spec_sample_step
 
-__all__ = ["SpecForward", "SpecPending", "SpecRunner"]
+__all__ = ["SpecForward", "SpecPending", "SpeculativeStep"]
 
 
 def _spec_forward(ptree, pleaves, dtree, dleaves, cfg, cache_cfg, cache, spec, last_ids, inputs, rows):
@@ -111,108 +114,105 @@ class SpecPending:
         return self._result
 
 
-class SpecRunner(ModelRunner):
-    """A ``ModelRunner`` that also owns the drafter, the per-slot speculative state and its programs.
+class SpeculativeStep:
+    """The drafter, the per-slot speculative state and their programs, as a component of ``runner``.
 
-    ``drafter``: the DSpark drafter's state (``model.dspark``). ``draft_vocab``: the token ids the drafter
-    may propose (a frequency-ranked subset makes drafting cheaper: its head scores only those rows; the
-    verification stays lossless), None = the whole vocabulary. ``num_top_logprobs`` as in ModelRunner.
+    ``drafter``: the DSpark drafter's state (``model.dspark``); ``params``: the target's parameters as loaded
+    (the drafter's heads read its embedding). ``draft_vocab``: the token ids the drafter may propose (a
+    frequency-ranked subset makes drafting cheaper: its head scores only those rows; the verification stays
+    lossless), None = the whole vocabulary.
 
-    ``mesh`` / ``preset``: over a device mesh (attention data parallel, as ``ModelRunner``) the speculative state
-    is stacked per DP rank like the cache, the drafter and its heads are replicated, and a step takes one chunk
-    list per rank with one verification budget and one drafting switch per rank (``runner.mesh_step.spec_programs``:
-    every rank's draft / verify rows in one program over the mesh).
+    Over a device mesh (attention data parallel, ``runner.mesh``) the speculative state is stacked per DP rank
+    like the cache, the drafter and its heads are replicated, and a step takes one chunk list per rank with one
+    verification budget and one drafting switch per rank (``runner.mesh_step.spec_programs``: every rank's draft /
+    verify rows in one program over the mesh).
     """
 
-    def __init__(self, cfg, params, drafter, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5,
-                 decoder_replay: bool = False, draft_vocab=None, *, mesh=None, preset=None):
-        super().__init__(cfg, params, cache_cfg, buckets, num_top_logprobs, decoder_replay, mesh=mesh, preset=preset)
+    def __init__(self, runner, params, drafter, draft_vocab=None):
+        cfg, cache_cfg = runner.cfg, runner.cache_cfg
         k = cfg.dspark_block_size
         if cache_cfg.spec_slack < k:
             raise ValueError(f"spec_slack must be >= dspark_block_size ({k}) to absorb the rollback of "
                              f"rejected drafts, got {cache_cfg.spec_slack}")
         if draft_vocab is not None:
             ids = np.asarray(draft_vocab)
-            if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= cfg.vocab_size or len(set(ids.tolist())) != len(ids):
+            if (ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= cfg.vocab_size
+                    or len(set(ids.tolist())) != len(ids)):
                 raise ValueError(f"draft_vocab must be distinct token ids in [0, {cfg.vocab_size})")
-        self.drafter, self.k = drafter, k
+        self.runner, self.drafter, self.k = runner, drafter, k
         self.heads = dspark.draft_heads(drafter, params, cfg, draft_vocab)
+        self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device(s)
         ring, vd = cfg.sliding_window + cache_cfg.spec_slack, int(self.heads.ids.shape[0])
-        if mesh is None:
-            self.spec = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, ring, vd)
+        if runner.mesh is None:
+            #: The per-slot speculative state (``model.speculative.SpecState``; over a mesh stacked per DP rank).
+            self.state = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, ring, vd)
             self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
-            self._spec_forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7),
-                                               on_build=count_trace)
-            self._spec_sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14),
-                                              on_build=count_trace)
+            self._forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=count_trace)
+            self._sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=count_trace)
         else:
-            self._mesh_spec_programs(ring, vd)
+            self._mesh_programs(ring, vd)
 
-    def _mesh_spec_programs(self, ring: int, vd: int) -> None:
+    def _mesh_programs(self, ring: int, vd: int) -> None:
         from deepinfer_jax import sharding as sh
         from deepinfer_jax.runner import mesh_step
 
-        cfg, slots, dp = self.cfg, self.cache_cfg.max_requests, self.dp_size
-        self.drafter, self.heads = sh.place((self.drafter, self.heads), self._replicated)
+        rn = self.runner
+        cfg, slots, dp = rn.cfg, rn.cache_cfg.max_requests, rn.dp_size
+        self.drafter, self.heads = sh.place((self.drafter, self.heads), rn._replicated)
         stack = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (dp, *a.shape)),
                                      spec_ops.init_spec_state(cfg, slots, ring, vd))
-        self.spec = jax.jit(stack, out_shardings=self._dp)()
-        leaves, treedef = jax.tree_util.tree_flatten(self.params)
-        self._spec_forward_fn, self._spec_sample_fn = mesh_step.spec_programs(
-            cfg, self.cache_cfg, self.mesh, self.preset.dp_axes, self.manual_axes, self.ep_spec,
+        self.state = jax.jit(stack, out_shardings=rn._dp)()
+        leaves, treedef = jax.tree_util.tree_flatten(rn.params)
+        self._forward_fn, self._sample_fn = mesh_step.spec_programs(
+            cfg, rn.cache_cfg, rn.mesh, rn.preset.dp_axes, rn.manual_axes, rn.ep_spec,
             tuple(x.sharding.spec for x in leaves), treedef)
 
     def logit_rows(self, n: int, r: int) -> int:
         """Logit rows of a (tokens n, requests r) step: at most K + 1 per request row."""
         return min(n, r * (self.k + 1))
 
-    def precompile(self, sampling: bool = False, progress=None) -> None:
-        """Compile the plain logits step (``sampling=False``; one device only) or the speculative engine step of
-        every bucket with all-padding inputs, plus the prefix cache's copies (over a mesh always the engine's
-        step, and the weight move of a rebalance)."""
-        if not sampling and self.mesh is None:
-            return super().precompile(False, progress)
-        if self.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
-            self.set_placement(self.placement)
-        self.restore_swa(0, self.snapshot_swa(0), [], 0)
-        self.restore_swa(0, None, [], 0)
-        self.block_payloads(self.read_blocks([0]))
-        self.write_blocks([0], self.block_payloads(self.read_blocks([0])))
-        shapes = self.buckets.shapes()
-        if self.decoder_replay:
-            shapes = [(n, r, b, d) for n, r, b in shapes for d in self.buckets.tokens if d <= n]
+    def precompile(self, progress=None) -> None:
+        """Compile the speculative engine step of every bucket with all-padding inputs, plus the prefix cache's
+        copies (over a mesh also the weight move of a rebalance); ``progress(i, total)`` per bucket."""
+        rn = self.runner
+        if rn.placement is not None:  # the weight move of a rebalance (here: onto the same placement)
+            rn.set_placement(rn.placement)
+        rn.restore_swa(0, rn.snapshot_swa(0), [], 0)
+        rn.restore_swa(0, None, [], 0)
+        rn.block_payloads(rn.read_blocks([0]))
+        rn.write_blocks([0], rn.block_payloads(rn.read_blocks([0])))
+        shapes = rn.buckets.shapes()
+        if rn.decoder_replay:
+            shapes = [(n, r, b, d) for n, r, b in shapes for d in rn.buckets.tokens if d <= n]
         if progress is not None:
             progress(0, len(shapes))
-        dp = self.dp_size
+        dp = rn.dp_size
         for i, (n, r, b, *d) in enumerate(shapes):
-            self.bucket_use.compiled.add((n, r, b))
+            rn.bucket_use.compiled.add((n, r, b))
             self.sample(self._dispatch([[]] * dp, [0] * dp, [True] * dp, n, r, b, *d)).result()
             if progress is not None:
                 progress(i + 1, len(shapes))
 
     # -- the engine's step -------------------------------------------------------------------
-    def launch(self, chunks, budget=0, draft=True, logprobs: bool = True) -> SpecPending:
-        return self.sample(self.forward(chunks, budget, draft, logprobs))
-
-    def forward(self, chunks, budget=0, draft=True, logprobs: bool = True) -> SpecForward:
-        """Validate and dispatch the model step; ``budget``: drafts to verify over the non-forced verify
-        rows (the forced ones add their caps); ``draft``: whether the acceptance program drafts again;
-        ``logprobs``: whether it computes logprobs (else they come back as zeros). Over a mesh ``chunks`` is
-        one list per DP rank (empty = the rank idles) and ``budget`` / ``draft`` are one value for every rank or
-        one per rank; ``StepInputError`` names the rank and chunk that cannot run."""
-        by_rank = self._by_rank(chunks)
+    def forward(self, by_rank: list[list[ChunkSpec]], budget=0, draft=True, logprobs: bool = True) -> SpecForward:
+        """Validate and dispatch the model step of every rank's chunks (``ModelRunner._by_rank``); ``budget``:
+        drafts to verify over the non-forced verify rows (the forced ones add their caps); ``draft``: whether the
+        acceptance program drafts again; ``logprobs``: whether it computes logprobs (else they come back as zeros).
+        ``budget`` / ``draft`` are one value for every rank or one per rank; ``StepInputError`` names the rank and
+        chunk that cannot run."""
+        rn = self.runner
         if not any(by_rank):
             raise StepInputError("a step needs at least one chunk")
-        dp = self.dp_size
+        dp = rn.dp_size
         budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget] * dp
         drafts = [bool(x) for x in draft] if isinstance(draft, (list, tuple)) else [bool(draft)] * dp
         if len(budgets) != dp or len(drafts) != dp:
             raise StepInputError(f"budget and draft: one value, or one per DP rank ({dp})")
         need = []  # per rank: (tokens, requests, blocks) of its step
         for d, cs in enumerate(by_rank):
-            where = "" if self.mesh is None else f"rank {d}: "
+            where = "" if rn.mesh is None else f"rank {d}: "
             try:
-                check_chunks(cs, self.cfg, self.cache_cfg)
+                check_chunks(cs, rn.cfg, rn.cache_cfg)
             except StepInputError as e:
                 raise StepInputError(f"{where}{e}") from None
             if not isinstance(budgets[d], (int, np.integer)) or isinstance(budgets[d], bool) or budgets[d] < 0:
@@ -225,13 +225,13 @@ class SpecRunner(ModelRunner):
                 need.append((sum(len(c.token_ids) for c in host) + len(ver) + forced + budgets[d], len(cs),
                              max(len(c.block_table) for c in cs)))
         try:
-            n = Buckets.pick(self.buckets.tokens, max(x[0] for x in need), "tokens in the step")
-            r = Buckets.pick(self.buckets.requests, max(x[1] for x in need), "requests in the step")
-            b = Buckets.pick(self.buckets.blocks, max(x[2] for x in need), "block_table length")
+            n = Buckets.pick(rn.buckets.tokens, max(x[0] for x in need), "tokens in the step")
+            r = Buckets.pick(rn.buckets.requests, max(x[1] for x in need), "requests in the step")
+            b = Buckets.pick(rn.buckets.blocks, max(x[2] for x in need), "block_table length")
         except ValueError as e:
             raise StepInputError(str(e)) from None
-        if self.mesh is None:
-            n, b = self.bucket_use.choose(n, r, b)
+        if rn.mesh is None:
+            n, b = rn.bucket_use.choose(n, r, b)
         fwd = self._dispatch(by_rank, budgets, drafts, n, r, b)
         fwd.logprobs, fwd.tokens = logprobs, n
         return fwd
@@ -239,14 +239,15 @@ class SpecRunner(ModelRunner):
     def sample(self, fwd: SpecForward, mask: np.ndarray | None = None) -> SpecPending:
         """Dispatch acceptance + drafting; ``mask`` [rows bucket, mask_words] as in ``ModelRunner.sample``
         (row i = chunk i in the caller's order; over a mesh row ``fwd.chunk_rows[i]``)."""
-        ranked = self.mesh is not None
+        rn = self.runner
+        ranked = rn.mesh is not None
         if mask is None:
             if fwd.rows not in self._no_mask:
-                self._no_mask[fwd.rows] = self._all_ones((fwd.rows, self.mask_words))
+                self._no_mask[fwd.rows] = self._all_ones((fwd.rows, rn.mask_words))
             dev_mask, has = self._no_mask[fwd.rows], np.False_
         else:
-            if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
-                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
+            if mask.shape != (fwd.rows, rn.mask_words) or mask.dtype != np.int32:
+                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, rn.mask_words)}, got "
                                      f"{mask.dtype} {mask.shape}")
             dev_mask = np.full_like(mask, -1)
             given = fwd.chunk_rows or range(len(fwd.order))
@@ -254,62 +255,64 @@ class SpecRunner(ModelRunner):
                 dev_mask[row] = mask[at]
             has = np.True_
         if not ranked:
-            outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self._ptree, self._pleaves, self._dtree,
-                                        self._dleaves, self.heads, fwd.logits, dev_mask, has, fwd.sampling,
-                                        fwd.layout, fwd.spec_rows, self.spec, self.last_ids, fwd.slot,
-                                        np.bool_(fwd.draft), np.bool_(fwd.logprobs))
+            outs = self._sample_fn(rn.num_top_logprobs, rn.cfg, rn._ptree, rn._pleaves, self._dtree, self._dleaves,
+                                   self.heads, fwd.logits, dev_mask, has, fwd.sampling, fwd.layout, fwd.spec_rows,
+                                   self.state, rn.last_ids, fwd.slot, np.bool_(fwd.draft), np.bool_(fwd.logprobs))
         else:
-            dp = self.dp_size
+            dp = rn.dp_size
             if mask is not None:  # laid out as the all-ones mask: no retrace
-                dev_mask = self._global(dev_mask.reshape(dp, fwd.rows // dp, self.mask_words), self._dp, always=True)
+                dev_mask = rn._global(dev_mask.reshape(dp, fwd.rows // dp, rn.mask_words), rn._dp, always=True)
             draft = np.asarray(fwd.draft, bool)
-            has, sampling, draft, want = self._global((has, fwd.sampling, draft, np.bool_(fwd.logprobs)),
-                                                      self._replicated)
-            outs = self._spec_sample_fn(self.num_top_logprobs, self.cfg, self.params, self.drafter, self.heads,
-                                        fwd.logits, dev_mask, has, sampling, fwd.layout, fwd.spec_rows, self.spec,
-                                        self.last_ids, fwd.slot, draft, want)
-        *result, self.spec, self.last_ids = outs
+            has, sampling, draft, want = rn._global((has, fwd.sampling, draft, np.bool_(fwd.logprobs)),
+                                                    rn._replicated)
+            outs = self._sample_fn(rn.num_top_logprobs, rn.cfg, rn.params, self.drafter, self.heads, fwd.logits,
+                                   dev_mask, has, sampling, fwd.layout, fwd.spec_rows, self.state, rn.last_ids,
+                                   fwd.slot, draft, want)
+        *result, self.state, rn.last_ids = outs
         return SpecPending(result, fwd.chunks, fwd.order, ranked)
 
     # -- internals ---------------------------------------------------------------------------
     def _all_ones(self, shape) -> jax.Array:
-        if self.mesh is None:
+        rn = self.runner
+        if rn.mesh is None:
             return filled(shape, jnp.int32, -1)
-        dp = self.dp_size  # laid out per rank, as a given mask is
-        return jax.jit(lambda: jnp.full((dp, shape[0] // dp, shape[1]), -1, jnp.int32), out_shardings=self._dp)()
+        dp = rn.dp_size  # laid out per rank, as a given mask is
+        return jax.jit(lambda: jnp.full((dp, shape[0] // dp, shape[1]), -1, jnp.int32), out_shardings=rn._dp)()
 
     def _dispatch(self, chunks_by_rank, budgets, drafts, n: int, r: int, b: int, d: int | None = None) -> SpecForward:
         """Every rank's inputs padded to (n, r, b) (and ``d`` decoder tokens); one device runs its rank's, a mesh
         stacks them along dp."""
-        if self.decoder_replay and d is None and self.mesh is not None:  # one decoder-token bucket for every rank
+        rn = self.runner
+        if rn.decoder_replay and d is None and rn.mesh is not None:  # one decoder-token bucket for every rank
             d = max(int(self._rank_inputs(cs, 0, n, r, b, None)[0].decoder_rows.shape[0]) for cs in chunks_by_rank)
         parts = [self._rank_inputs(cs, budget, n, r, b, d) for cs, budget in zip(chunks_by_rank, budgets)]
         chunks = [c for cs in chunks_by_rank for c in cs]
-        if self.mesh is None:
+        if rn.mesh is None:
             inp, rows, sampling, order = parts[0]
-            logits, self.cache, self.spec, layout, slot = self._spec_forward_fn(
-                self._ptree, self._pleaves, self._dtree, self._dleaves, self.cfg, self.cache_cfg, self.cache,
-                self.spec, self.last_ids, inp, rows)
+            logits, rn.cache, self.state, layout, slot = self._forward_fn(
+                rn._ptree, rn._pleaves, self._dtree, self._dleaves, rn.cfg, rn.cache_cfg, rn.cache, self.state,
+                rn.last_ids, inp, rows)
             return SpecForward(logits, layout, rows, slot, sampling, chunks, order, r, drafts[0])
         stack = lambda *trees: jax.tree.map(lambda *a: np.stack(a), *trees)
         inp, rows, sampling = (stack(*[p[i] for p in parts]) for i in range(3))
         order = [rank * r + i for rank, p in enumerate(parts) for i in p[3]]
         chunk_rows = [rank * r + k for rank, cs in enumerate(chunks_by_rank) for k in range(len(cs))]
-        inp, rows = self._global((inp, rows), self._dp)
+        inp, rows = rn._global((inp, rows), rn._dp)
         counts = None
-        if self.placement is None:
-            logits, self.cache, self.spec, layout, slot = self._spec_forward_fn(
-                self.params, self.drafter, self.cache, self.spec, self.last_ids, inp, rows)
+        if rn.placement is None:
+            logits, rn.cache, self.state, layout, slot = self._forward_fn(
+                rn.params, self.drafter, rn.cache, self.state, rn.last_ids, inp, rows)
         else:
-            logits, self.cache, self.spec, layout, slot, counts = self._spec_forward_fn(
-                self.params, self.tables, self.drafter, self.cache, self.spec, self.last_ids, inp, rows)
-        return SpecForward(logits, layout, rows, slot, sampling, chunks, order, self.dp_size * r, list(drafts),
-                           chunk_rows=chunk_rows, slot_counts=counts, placement=self.placement)
+            logits, rn.cache, self.state, layout, slot, counts = self._forward_fn(
+                rn.params, rn.tables, self.drafter, rn.cache, self.state, rn.last_ids, inp, rows)
+        return SpecForward(logits, layout, rows, slot, sampling, chunks, order, rn.dp_size * r, list(drafts),
+                           chunk_rows=chunk_rows, slot_counts=counts, placement=rn.placement)
 
     def _rank_inputs(self, chunks: Sequence[ChunkSpec], budget: int, n: int, r: int, b: int, d: int | None):
         """One rank's (StepInputs, SpecRows, SamplingInputs, each chunk's request row) for a step of shape
         (n, r, b): host chunks first, then the verify rows."""
-        slots = self.cache_cfg.max_requests
+        rn = self.runner
+        slots = rn.cache_cfg.max_requests
         host = [c for c in chunks if not c.verify]
         ver = [c for c in chunks if c.verify]
         ordered = host + ver
@@ -342,7 +345,7 @@ class SpecRunner(ModelRunner):
             prefill_logits=np.int32(mp), logit_base=np.int32(p))
         _, sampling, _ = sampling_batch(ordered, inp, n, r, slots)  # verify rows store their anchor in their slot
         inp = inp._replace(logit_rows=logit_rows)
-        if self.decoder_replay:
+        if rn.decoder_replay:
             inp, rows = self._spec_decoder_rows(host, ordered, inp, rows, n - p, d)
         return inp, rows, sampling, order
 
@@ -360,7 +363,7 @@ class SpecRunner(ModelRunner):
         verify_room = room if np.any(np.asarray(rows.is_verify)) else 0
         p = int(rows.prefill_tokens)
         flat += list(range(p, p + verify_room))
-        d = d or Buckets.pick(self.buckets.tokens, max(1, len(flat)), "decoder tokens in the step")
+        d = d or Buckets.pick(self.runner.buckets.tokens, max(1, len(flat)), "decoder tokens in the step")
         dec = np.zeros(d, np.int32)
         dec[: len(flat)] = flat[:d]
         valid = np.zeros(d, bool)
