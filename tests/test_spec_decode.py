@@ -231,6 +231,8 @@ def test_spec_runner_refuses_bad_input(params):
         plain.forward([prefill], budget=2)
     with pytest.raises(StepInputError, match="no drafter"):
         plain.launch([prefill], draft=False)
+    with pytest.raises(ValueError, match="context parallelism"):  # refused before any device is used
+        ModelRunner(CFG, params, cc, bk, mesh=object(), preset="cpu-cp4", drafter=init_drafter_params(CFG))
     runner = ModelRunner(CFG, params, cc, bk, drafter=init_drafter_params(CFG))
     row = ChunkSpec(slot=0, block_table=[0], ctx_len=15, token_ids=[0], verify=True, max_drafts=K, limit=100,
                     sample=SampleSpec())

@@ -69,8 +69,8 @@ from deepinfer_jax.runner.step_batch import (
     sampling_batch,
     validate_chunks,
 )
-from deepinfer_jax.runner.step_programs import count_trace, forward_step_flat, logits_step_flat, sample_rows
 from deepinfer_jax.runner.step_output import SampledToken, StepOutput
+from deepinfer_jax.runner.step_programs import count_trace, forward_step_flat, logits_step_flat, sample_rows
 
 __all__ = ["ChunkSpec", "Forward", "ModelRunner", "PendingStep", "SampleSpec", "StepInputError"]
 
