@@ -62,16 +62,19 @@ PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
 _DEFAULT_MAX_MODEL_LEN = 2048
 
 
-def _resolve_weights(weights, dtype: str, sharded: bool) -> str:
-    """The ``weights`` setting for a checkpoint load: None follows ``dtype`` (``"auto"`` unless bfloat16);
-    sharded engines run float-resident weights (``"auto"`` becomes ``dtype``, ``"quantized"`` is refused)."""
+def _resolve_weights(weights, dtype: str, preset=None) -> str:
+    """The ``weights`` setting for a checkpoint load: None follows ``dtype`` (``"auto"`` unless bfloat16).
+    Sharded (``preset``, a ``ShardingPreset``) ``"auto"`` becomes ``dtype``; ``"quantized"`` runs over attention
+    data parallelism alone (every parameter replicated) and is refused with any other split (``WeightsError``)."""
     from deepinfer_jax.checkpoint.residency import WeightsError, check_weights
 
     weights = check_weights(weights if weights is not None else ("auto" if dtype == "float32" else dtype))
-    if sharded and weights == "quantized":
-        raise WeightsError("quantized residency runs on one device; with sharding use weights='float32' or "
-                           "'bfloat16' (or 'auto', which is float there)")
-    return dtype if sharded and weights == "auto" else weights
+    if preset is not None and weights == "quantized" and math.prod(preset.shape) != preset.dp_size:
+        raise WeightsError(f"quantized residency runs on one device or over attention data parallelism alone; the "
+                           f"preset {preset.name!r} also splits its mesh {dict(zip(preset.axes, preset.shape))} by "
+                           "expert, tensor or context parallelism: use weights='float32' or 'bfloat16' (or 'auto', "
+                           "which is float when sharded)")
+    return dtype if preset is not None and weights == "auto" else weights
 
 
 def _load_model(model, dtype: str, weights: str = "float32"):
@@ -160,7 +163,7 @@ class LLM:
                 raise ValueError("config: pass the ModelConfig together with params")
             cfg, ckpt = config, None
         else:
-            weights = _resolve_weights(weights, dtype, ec.sharding is not None)
+            weights = _resolve_weights(weights, dtype, self.sharding_preset)
             cfg, params, ckpt = _load_model(model, dtype, weights)
         if self.sharding_preset is not None:
             self.sharding_preset.validate_for(cfg)  # the routed experts divide over the EP ranks

@@ -581,3 +581,17 @@ def test_speculation_equals_one_device_and_counts_per_rank(prefix_checks, preset
     assert sum(1 for v in verified if v) >= 2 and row["spec_drafts_accepted"] > 0, row  # drafts on several ranks
     assert row["one_device_verified"] > 0, row
     assert row["bad_budget"] is not None and "num_speculative_tokens" in row["bad_budget"], row
+
+
+def test_quantized_residency_over_data_parallelism_equals_one_device(prefix_checks):
+    row = prefix_checks["quantized_cpu-dp8-ep1"]  # the shipped checkpoint, FP8/FP4 weights resident on every rank
+    assert row["resident"] == row["ref_resident"] == "quantized", row
+    assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == 5 * 6, row
+    assert row["num_logprobs"] == 5 * 6 and row["max_logprob_diff"] < 1e-4, row
+
+
+def test_quantized_residency_with_another_split_is_refused_naming_weights(prefix_checks):
+    row = prefix_checks["quantized_refused_cpu-dp2-ep4"]  # refused before loading (LLM) and by the runner itself
+    assert row["llm"]["type"] == "WeightsError" and row["llm"]["field"] == "weights", row
+    assert row["runner"]["type"] == "QWeightError" and row["runner"]["field"] == "weights", row
+    assert "'ep': 4" in row["llm"]["message"] and "'ep': 4" in row["runner"]["message"], row

@@ -230,14 +230,18 @@ def test_engine_default_is_quantized_with_identical_greedy_tokens():
     assert runs["quantized"] == runs["float32"]
 
 
-def test_quantized_with_sharding_is_refused_naming_weights():
+def test_quantized_with_a_split_beyond_data_parallelism_is_refused_naming_weights():
     from deepinfer_jax.llm import _resolve_weights
+    from deepinfer_jax.sharding import resolve_preset
 
-    with pytest.raises(WeightsError, match="weights: quantized residency runs on one device"):
-        _resolve_weights("quantized", "float32", sharded=True)
-    assert _resolve_weights(None, "float32", sharded=True) == "float32"
-    assert _resolve_weights(None, "bfloat16", sharded=False) == "bfloat16"
-    assert _resolve_weights(None, "float32", sharded=False) == "auto"
+    for name in ("cpu-dp2-ep4", "cpu-dp2-ep2-tp2", "cpu-cp4"):  # experts, tensors or the context split
+        with pytest.raises(WeightsError, match="weights: quantized residency runs on one device or over attention"):
+            _resolve_weights("quantized", "float32", resolve_preset(name))
+    dp_only = resolve_preset("cpu-dp8-ep1")  # every parameter replicated: quantized runs (tests/test_dp_engine.py)
+    assert _resolve_weights("quantized", "float32", dp_only) == "quantized"
+    assert _resolve_weights(None, "float32", dp_only) == "float32"  # "auto" stays float when sharded
+    assert _resolve_weights(None, "bfloat16") == "bfloat16"
+    assert _resolve_weights(None, "float32") == "auto"
 
 
 # ---- the memory plan --------------------------------------------------------------------------------

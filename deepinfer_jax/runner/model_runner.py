@@ -43,6 +43,7 @@ not supported yet (``ValueError``); several processes
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,6 +174,19 @@ def _set_engram(cache, slot, engram_pos, engram_ids, at=()):
     return {**cache, "engram": ring.at[where].set(engram_ids, mode="drop")}
 
 
+def _check_quantized_split(params, preset) -> None:
+    """``QWeightError`` (field ``weights``) for quantized-resident weights on a preset that splits more than attention
+    data parallelism: they run replicated on every rank (the split layouts place float leaves)."""
+    from deepinfer_jax.model.qweight import QWeight, QWeightError
+
+    if math.prod(preset.shape) == preset.dp_size:
+        return
+    if any(isinstance(x, QWeight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QWeight))):
+        raise QWeightError(f"quantized-resident weights run over attention data parallelism alone; the preset "
+                           f"{preset.name!r} also splits {dict(zip(preset.axes, preset.shape))}: load float weights",
+                           "weights")
+
+
 @dataclass
 class Forward:
     """A dispatched model step whose sampling is still to dispatch (``ModelRunner.sample``). The logits rows
@@ -241,6 +255,7 @@ class ModelRunner:
             from deepinfer_jax import sharding as sh
 
             preset = sh.resolve_preset(preset)
+            _check_quantized_split(params, preset)
         cp = preset is not None and preset.context_parallel
         if cp and drafter is not None:
             raise ValueError(f"speculation with context parallelism ({preset.name!r}) is not supported yet: "

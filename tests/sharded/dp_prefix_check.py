@@ -13,7 +13,8 @@ one-device engine with the same setting. Then one row ``spec_<preset>``: specula
 "dspark"`` with a drafter that often agrees with the model; greedy requests with and without their own seed, so
 forced counts and the confidence-driven budget both run) through the asynchronous, then the synchronous loop,
 against the one-device speculative engine and plain greedy decoding, with the per-rank acceptance counters and
-the error for a ``num_speculative_tokens`` past the drafter's block size. Then ``{"check": "done"}``.
+the error for a ``num_speculative_tokens`` past the drafter's block size. Then the shipped checkpoint with
+quantized-resident weights (``quantized_rows``). Then ``{"check": "done"}``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,45 @@ def spec_row(cfg, params, preset: str, setup) -> None:
           flush=True)
 
 
+QUANTIZED_SETTINGS = {**SETTINGS, "max_model_len": 64, "speculation": "none"}
+
+
+def quantized_rows(presets: list[str]) -> None:
+    """The shipped checkpoint with its weights resident quantized (``weights="quantized"``): greedy outputs of each
+    preset that splits only attention DP against one device (row ``quantized_<preset>``), and for the others the
+    typed errors, from ``LLM`` before anything loads and from ``ModelRunner`` given quantized parameters (row
+    ``quantized_refused_<preset>``)."""
+    from deepinfer_jax import sharding as sh
+    from deepinfer_jax.runner import ModelRunner
+
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, 1000, int(n)).tolist()} for n in (5, 17, 30, 9, 24)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    ref = LLM(weights="quantized", **QUANTIZED_SETTINGS)
+    want = summary(ref.generate(prompts, sp, use_tqdm=False))
+    for preset in presets:
+        start = time.perf_counter()
+        p = sh.resolve_preset(preset)
+        if int(np.prod(p.shape)) == p.dp_size:
+            llm = LLM(weights="quantized", sharding=preset, **QUANTIZED_SETTINGS)
+            got = summary(llm.generate(prompts, sp, use_tqdm=False))
+            print(json.dumps({"check": f"quantized_{preset}", **compare(want, got),
+                              "resident": llm.weights_resident, "ref_resident": ref.weights_resident,
+                              "seconds": round(time.perf_counter() - start, 2)}), flush=True)
+            continue
+        errors = {}
+        runner = lambda: ModelRunner(ref.model_config, ref.params, ref.runner.cache_cfg, ref.runner.buckets,
+                                     mesh=sh.make_mesh(p), preset=p)
+        for where, make in (("llm", lambda: LLM(weights="quantized", sharding=preset, **QUANTIZED_SETTINGS)),
+                            ("runner", runner)):
+            try:
+                make()
+                errors[where] = None
+            except ValueError as e:
+                errors[where] = {"type": type(e).__name__, "field": getattr(e, "field", None), "message": str(e)}
+        print(json.dumps({"check": f"quantized_refused_{preset}", **errors}), flush=True)
+
+
 def main(presets: list[str]) -> None:
     assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.device_count()}"
     cfg, params, _ = model_and_inputs()
@@ -171,6 +211,7 @@ def main(presets: list[str]) -> None:
     setup = spec_setup(cfg, params)
     for preset in presets:
         spec_row(cfg, params, preset, setup)
+    quantized_rows(presets)
     print(json.dumps({"check": "done"}), flush=True)
 
 
