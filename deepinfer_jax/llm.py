@@ -65,15 +65,18 @@ _DEFAULT_MAX_MODEL_LEN = 2048
 def _resolve_weights(weights, dtype: str, preset=None) -> str:
     """The ``weights`` setting for a checkpoint load: None follows ``dtype`` (``"auto"`` unless bfloat16).
     Sharded (``preset``, a ``ShardingPreset``) ``"auto"`` becomes ``dtype``; ``"quantized"`` runs over attention
-    data parallelism alone (every parameter replicated) and is refused with any other split (``WeightsError``)."""
+    data parallelism and the engine's EP MoE, and is refused with any other split (``WeightsError``)."""
     from deepinfer_jax.checkpoint.residency import WeightsError, check_weights
 
     weights = check_weights(weights if weights is not None else ("auto" if dtype == "float32" else dtype))
-    if preset is not None and weights == "quantized" and math.prod(preset.shape) != preset.dp_size:
-        raise WeightsError(f"quantized residency runs on one device or over attention data parallelism alone; the "
-                           f"preset {preset.name!r} also splits its mesh {dict(zip(preset.axes, preset.shape))} by "
-                           "expert, tensor or context parallelism: use weights='float32' or 'bfloat16' (or 'auto', "
-                           "which is float when sharded)")
+    if preset is not None and weights == "quantized":
+        from deepinfer_jax.runner.model_runner import quantized_split_ok
+
+        if not quantized_split_ok(preset):
+            raise WeightsError(f"quantized residency runs on one device, over attention data parallelism and with the "
+                               f"engine's EP MoE; the preset {preset.name!r} "
+                               f"({dict(zip(preset.axes, preset.shape))}) splits tensors, the context or experts "
+                               "without EPLB: use weights='float32' or 'bfloat16' (or 'auto', float when sharded)")
     return dtype if preset is not None and weights == "auto" else weights
 
 

@@ -583,15 +583,19 @@ def test_speculation_equals_one_device_and_counts_per_rank(prefix_checks, preset
     assert row["bad_budget"] is not None and "num_speculative_tokens" in row["bad_budget"], row
 
 
-def test_quantized_residency_over_data_parallelism_equals_one_device(prefix_checks):
-    row = prefix_checks["quantized_cpu-dp8-ep1"]  # the shipped checkpoint, FP8/FP4 weights resident on every rank
-    assert row["resident"] == row["ref_resident"] == "quantized", row
+@pytest.mark.parametrize("preset", PREFIX_PRESETS)
+def test_quantized_residency_equals_one_device(prefix_checks, preset):
+    row = prefix_checks[f"quantized_{preset}"]  # the shipped checkpoint, FP8/FP4 weights resident on every rank
+    assert row["resident"] == row["ref_resident"] == "quantized" and row["experts_quantized"], row
     assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == 5 * 6, row
     assert row["num_logprobs"] == 5 * 6 and row["max_logprob_diff"] < 1e-4, row
+    if preset == "cpu-dp2-ep4":  # the FP4 expert stacks split over ep and moved by forced EPLB rebalances
+        assert "ep" in row["experts_spec"] and row["rebalances"] > 0, row
 
 
-def test_quantized_residency_with_another_split_is_refused_naming_weights(prefix_checks):
-    row = prefix_checks["quantized_refused_cpu-dp2-ep4"]  # refused before loading (LLM) and by the runner itself
+@pytest.mark.parametrize("preset", ["cpu-dp2-ep2-tp2", "cpu-cp4"])
+def test_quantized_residency_with_another_split_is_refused_naming_weights(prefix_checks, preset):
+    row = prefix_checks[f"quantized_refused_{preset}"]  # refused before loading (LLM) and by the runner itself
     assert row["llm"]["type"] == "WeightsError" and row["llm"]["field"] == "weights", row
     assert row["runner"]["type"] == "QWeightError" and row["runner"]["field"] == "weights", row
-    assert "'ep': 4" in row["llm"]["message"] and "'ep': 4" in row["runner"]["message"], row
+    assert preset in row["llm"]["message"] and preset in row["runner"]["message"], row

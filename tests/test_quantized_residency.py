@@ -234,12 +234,12 @@ def test_quantized_with_a_split_beyond_data_parallelism_is_refused_naming_weight
     from deepinfer_jax.llm import _resolve_weights
     from deepinfer_jax.sharding import resolve_preset
 
-    for name in ("cpu-dp2-ep4", "cpu-dp2-ep2-tp2", "cpu-cp4"):  # experts, tensors or the context split
-        with pytest.raises(WeightsError, match="weights: quantized residency runs on one device or over attention"):
+    for name in ("cpu-dp2-ep2-tp2", "cpu-cp4"):  # tensors (and experts without EPLB) or the context split
+        with pytest.raises(WeightsError, match=f"weights: quantized residency runs on one device.*'{name}'"):
             _resolve_weights("quantized", "float32", resolve_preset(name))
-    dp_only = resolve_preset("cpu-dp8-ep1")  # every parameter replicated: quantized runs (tests/test_dp_engine.py)
-    assert _resolve_weights("quantized", "float32", dp_only) == "quantized"
-    assert _resolve_weights(None, "float32", dp_only) == "float32"  # "auto" stays float when sharded
+    for name in ("cpu-dp8-ep1", "cpu-dp2-ep4"):  # DP alone, DP with the EP MoE: quantized runs (test_dp_engine.py)
+        assert _resolve_weights("quantized", "float32", resolve_preset(name)) == "quantized"
+        assert _resolve_weights(None, "float32", resolve_preset(name)) == "float32"  # "auto" stays float sharded
     assert _resolve_weights(None, "bfloat16") == "bfloat16"
     assert _resolve_weights(None, "float32") == "auto"
 

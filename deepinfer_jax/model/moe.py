@@ -89,9 +89,6 @@ class MoE(nnx.Module):
         x = x_BTd.reshape(-1, shape[-1])
         counts = None
         if strategy.kind == "ep":  # routed experts over the mesh's ep axis (shard_map)
-            if qweight.is_quantized(self.experts.w1[...]):
-                raise qweight.QWeightError("expert parallelism runs float-resident experts; load with "
-                                           "weights='float32' or 'bfloat16'", "weights")
             y, counts = strategy.ep(self, x, tables, valid)
             y = y + self.shared_experts(x).astype(jnp.float32)
             return y.astype(x_BTd.dtype).reshape(shape), counts

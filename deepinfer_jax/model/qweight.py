@@ -265,5 +265,13 @@ def concat_experts_on_columns(w: QWeight) -> QWeight:
     return w.replace(data, scale, (d, e * i))
 
 
+def stacked_as_held(w: QWeight) -> QWeight:
+    """A stacked ``[E, ...]`` weight whose declared leading size follows its data: after its stack was taken into
+    other slots (``parallel.weight_moves.physical_params``) or split over devices (one device's slots inside
+    ``shard_map``), where the static shape still names the old count."""
+    n = int(w.data.shape[0])
+    return w if n == w.shape[0] else w.replace(w.data, w.scale, (n, *w.shape[1:]))
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, QWeight)

@@ -30,13 +30,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from deepinfer_jax.model import qweight
 from deepinfer_jax.parallel.ep_moe import TABLES, EPConfig, ep_moe, ep_moe_local, linear_index
 
 __all__ = ["EPConfig", "MeshEP", "StepEP"]
 
 
 def _experts(moe) -> tuple:
-    return moe.experts.w1[...], moe.experts.w3[...], moe.experts.w2[...]
+    """The layer's w1, w3, w2 as held here (inside ``shard_map``: this device's slots; a quantized-resident stack's
+    declared leading size follows its data)."""
+    held = lambda w: qweight.stacked_as_held(w) if qweight.is_quantized(w) else w
+    return held(moe.experts.w1[...]), held(moe.experts.w3[...]), held(moe.experts.w2[...])
 
 
 @dataclass(frozen=True)

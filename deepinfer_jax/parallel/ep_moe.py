@@ -40,8 +40,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config.eplb import DISPATCHES
+from deepinfer_jax.model import qweight
 from deepinfer_jax.model.layers import matmul_t
 from deepinfer_jax.model.routing import route, swiglu
+from deepinfer_jax.ops.quantized_matmul import quantized_grouped_matmul
 from deepinfer_jax.parallel.mesh import shard_map
 
 __all__ = ["DISPATCHES", "EPConfig", "EPLayer", "EPStats", "ep_moe", "ep_moe_local", "expert_rows", "linear_index"]
@@ -105,11 +107,14 @@ def expert_rows(x_Rd: jax.Array, slot_R: jax.Array, weight_R: jax.Array, w1_Sfd:
     sizes = jnp.zeros((n_slots + 1,), jnp.int32).at[group].add(1)[:n_slots]
     xs = x_Rd[order]
     dt = x_Rd.dtype
-    gate = lax.ragged_dot(xs, jnp.swapaxes(w1_Sfd, 1, 2).astype(dt), sizes)
-    up = lax.ragged_dot(xs, jnp.swapaxes(w3_Sfd, 1, 2).astype(dt), sizes)
+    if qweight.is_quantized(w1_Sfd):  # quantized-resident experts: decoded inside the grouped matmul
+        gmm = lambda x, w: quantized_grouped_matmul(x, w, sizes).astype(dt)
+    else:
+        gmm = lambda x, w: lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(dt), sizes)
+    gate, up = gmm(xs, w1_Sfd), gmm(xs, w3_Sfd)
     valid = (group[order] < n_slots)[:, None]
     h = jnp.where(valid, swiglu(gate, up, limit) * weight_R[order][:, None], 0.0).astype(dt)
-    y = lax.ragged_dot(h, jnp.swapaxes(w2_Sdf, 1, 2).astype(dt), sizes)
+    y = gmm(h, w2_Sdf)
     y = jnp.where(valid, y, 0)
     return jnp.zeros_like(y).at[order].set(y)
 
@@ -261,6 +266,7 @@ def ep_moe(x_Nd: jax.Array, gate_weight_Ed: jax.Array, gate_bias_E: jax.Array, e
 
     def body(x, gate_w, gate_b, w1, w3, w2, *table_arrays):
         offset = linear_index(token_axes, mesh.shape) * x.shape[0]
+        w1, w3, w2 = (qweight.stacked_as_held(w) if qweight.is_quantized(w) else w for w in (w1, w3, w2))
         y, counts, passes, overflow = ep_moe_local(
             x, gate_w, gate_b, w1, w3, w2, dict(zip(TABLES, table_arrays)), ep_axis=ep_axis, ep=ep,
             sync_axes=all_axes, token_offset=offset, top_k=top_k, scale=scale, renormalize=renormalize, limit=limit,

@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from deepinfer_jax.model import qweight
 from deepinfer_jax.parallel.eplb import Placement, move_sources
 from deepinfer_jax.parallel.mesh import put_global, shard_map
 
@@ -110,7 +111,10 @@ def physical_params(params, placement: Placement):
                 raise ValueError(f"layer {layer}: expert arrays have {leaf.shape[0]} experts, the placement "
                                  f"{placement.n_experts}")
             leaves[i] = np.take(leaf, placement.phys_to_log[layer], axis=0)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    out = jax.tree_util.tree_unflatten(treedef, leaves)
+    # a quantized-resident stack (data and scale both [E, ...]) now holds P slots: its declared shape follows
+    return jax.tree.map(lambda w: qweight.stacked_as_held(w) if qweight.is_quantized(w) else w, out,
+                        is_leaf=qweight.is_quantized)
 
 
 def move_params(params, old: Placement, new: Placement, mesh: Mesh, ep_axis: str = "ep"):

@@ -174,17 +174,23 @@ def _set_engram(cache, slot, engram_pos, engram_ids, at=()):
     return {**cache, "engram": ring.at[where].set(engram_ids, mode="drop")}
 
 
+def quantized_split_ok(preset) -> bool:
+    """Whether quantized-resident weights run on ``preset``: every parameter replicated (attention data parallelism
+    alone), or the routed experts split over ``ep`` by the engine's EP MoE with everything else replicated."""
+    return not preset.context_parallel and (math.prod(preset.shape) == preset.dp_size or preset.engine_expert_parallel)
+
+
 def _check_quantized_split(params, preset) -> None:
     """``QWeightError`` (field ``weights``) for quantized-resident weights on a preset that splits more than attention
-    data parallelism: they run replicated on every rank (the split layouts place float leaves)."""
+    data parallelism and the engine's EP MoE (``quantized_split_ok``): other splits place float leaves."""
     from deepinfer_jax.model.qweight import QWeight, QWeightError
 
-    if math.prod(preset.shape) == preset.dp_size:
+    if quantized_split_ok(preset):
         return
     if any(isinstance(x, QWeight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QWeight))):
-        raise QWeightError(f"quantized-resident weights run over attention data parallelism alone; the preset "
-                           f"{preset.name!r} also splits {dict(zip(preset.axes, preset.shape))}: load float weights",
-                           "weights")
+        raise QWeightError(f"quantized-resident weights run over attention data parallelism and the engine's EP MoE; "
+                           f"the preset {preset.name!r} ({dict(zip(preset.axes, preset.shape))}) splits otherwise: "
+                           "load float weights", "weights")
 
 
 @dataclass

@@ -165,12 +165,19 @@ def spec_row(cfg, params, preset: str, setup) -> None:
 QUANTIZED_SETTINGS = {**SETTINGS, "max_model_len": 64, "speculation": "none"}
 
 
+#: Presets on which quantized-resident weights are refused (tensor or context split, or experts split without EPLB).
+QUANTIZED_REFUSED = ("cpu-dp2-ep2-tp2", "cpu-cp4")
+
+
 def quantized_rows(presets: list[str]) -> None:
     """The shipped checkpoint with its weights resident quantized (``weights="quantized"``): greedy outputs of each
-    preset that splits only attention DP against one device (row ``quantized_<preset>``), and for the others the
-    typed errors, from ``LLM`` before anything loads and from ``ModelRunner`` given quantized parameters (row
-    ``quantized_refused_<preset>``)."""
+    preset against one device (row ``quantized_<preset>``; with the EP MoE, EPLB rebalances forced every 3 steps so
+    the quantized expert stacks move between slots), then for ``QUANTIZED_REFUSED`` the typed errors, from ``LLM``
+    before anything loads and from ``ModelRunner`` given quantized parameters (row ``quantized_refused_<preset>``)."""
+    import dataclasses
+
     from deepinfer_jax import sharding as sh
+    from deepinfer_jax.model.qweight import QWeight
     from deepinfer_jax.runner import ModelRunner
 
     rng = np.random.default_rng(3)
@@ -178,27 +185,32 @@ def quantized_rows(presets: list[str]) -> None:
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     ref = LLM(weights="quantized", **QUANTIZED_SETTINGS)
     want = summary(ref.generate(prompts, sp, use_tqdm=False))
-    for preset in presets:
+    for name in presets:
         start = time.perf_counter()
-        p = sh.resolve_preset(preset)
-        if int(np.prod(p.shape)) == p.dp_size:
-            llm = LLM(weights="quantized", sharding=preset, **QUANTIZED_SETTINGS)
-            got = summary(llm.generate(prompts, sp, use_tqdm=False))
-            print(json.dumps({"check": f"quantized_{preset}", **compare(want, got),
-                              "resident": llm.weights_resident, "ref_resident": ref.weights_resident,
-                              "seconds": round(time.perf_counter() - start, 2)}), flush=True)
-            continue
-        errors = {}
+        preset = sh.resolve_preset(name)
+        if preset.engine_expert_parallel:
+            preset = preset.replace(eplb=dataclasses.replace(preset.eplb, window_steps=2, rebalance_period=3))
+        llm = LLM(weights="quantized", sharding=preset, **QUANTIZED_SETTINGS)
+        got = summary(llm.generate(prompts, sp, use_tqdm=False))
+        w1 = llm.runner.params["layers"][0]["ffn"]["experts"]["w1"][...]
+        print(json.dumps({"check": f"quantized_{name}", **compare(want, got), "resident": llm.weights_resident,
+                          "ref_resident": ref.weights_resident, "experts_quantized": isinstance(w1, QWeight),
+                          "experts_spec": str(w1.data.sharding.spec) if isinstance(w1, QWeight) else None,
+                          "rebalances": llm.stats.get("eplb_rebalances", 0),
+                          "seconds": round(time.perf_counter() - start, 2)}), flush=True)
+    for name in QUANTIZED_REFUSED:
+        preset = sh.resolve_preset(name)
         runner = lambda: ModelRunner(ref.model_config, ref.params, ref.runner.cache_cfg, ref.runner.buckets,
-                                     mesh=sh.make_mesh(p), preset=p)
-        for where, make in (("llm", lambda: LLM(weights="quantized", sharding=preset, **QUANTIZED_SETTINGS)),
+                                     mesh=sh.make_mesh(preset), preset=preset)
+        errors = {}
+        for where, make in (("llm", lambda: LLM(weights="quantized", sharding=name, **QUANTIZED_SETTINGS)),
                             ("runner", runner)):
             try:
                 make()
                 errors[where] = None
             except ValueError as e:
                 errors[where] = {"type": type(e).__name__, "field": getattr(e, "field", None), "message": str(e)}
-        print(json.dumps({"check": f"quantized_refused_{preset}", **errors}), flush=True)
+        print(json.dumps({"check": f"quantized_refused_{name}", **errors}), flush=True)
 
 
 def main(presets: list[str]) -> None:
