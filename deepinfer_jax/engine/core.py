@@ -295,10 +295,13 @@ class EngineCore:
         return req
 
     def _prompt_scorer(self):
-        if self._scorer is None:
+        """The full-sequence scorer over the runner's parameters in the model's layout (remade when an EPLB rebalance
+        has moved the experts since)."""
+        params = self.runner.logical_params()
+        if self._scorer is None or self._scorer.params is not params:
             from deepinfer_jax.runner.prompt_scores import PromptScorer
 
-            self._scorer = PromptScorer(self.runner.cfg, self.runner.params, self.max_logprobs)
+            self._scorer = PromptScorer(self.runner.cfg, params, self.max_logprobs)
         return self._scorer
 
     def _write_back(self, reads: list) -> None:

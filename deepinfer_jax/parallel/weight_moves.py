@@ -117,6 +117,23 @@ def physical_params(params, placement: Placement):
                         is_leaf=qweight.is_quantized)
 
 
+def logical_params(params, placement: Placement):
+    """``physical_params`` undone: every layer's expert arrays [P, ...] (laid out as ``placement``) taken back to one
+    per logical expert [E, ...] (host numpy), expert ``e`` from the first slot holding it; the other leaves
+    unchanged. What a full-sequence pass in the model's own layout (``forward_full``) needs. Give the expert
+    arrays as host (or fully addressable) arrays: they are read to the host."""
+    layers = expert_leaves(params)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    for layer, idx in layers.items():
+        slots = placement.phys_to_log[layer]
+        first = np.array([np.flatnonzero(slots == e)[0] for e in range(placement.n_experts)], np.int32)
+        for i in idx:
+            leaves[i] = np.take(np.asarray(leaves[i]), first, axis=0)
+    out = jax.tree_util.tree_unflatten(treedef, leaves)
+    return jax.tree.map(lambda w: qweight.stacked_as_held(w) if qweight.is_quantized(w) else w, out,
+                        is_leaf=qweight.is_quantized)
+
+
 def move_params(params, old: Placement, new: Placement, mesh: Mesh, ep_axis: str = "ep"):
     """``params`` (laid out as ``old``, expert arrays sharded over ``ep_axis`` on axis 0) rearranged for ``new``:
     every layer's slots in one jitted program (one all-gather per array over ``ep_axis``); the other leaves are

@@ -272,6 +272,7 @@ class ModelRunner:
         self.placement = None
         self.ep_spec = None
         self._move_traces = None  # over a mesh: the weight-move programs' trace counter
+        self._logical = None  # (placement, parameters in the model's layout) for ``logical_params``
         # the lazy engine sets .lazy (LLM(precompile="lazy"))
         self.bucket_use = BucketUse(self.buckets.tokens, blocks=self.buckets.blocks)
         self.mask_words = (cfg.vocab_size + 31) // 32
@@ -397,6 +398,23 @@ class ModelRunner:
                              f"the runner has {old.n_layers} x {old.n_slots} over {old.n_ranks}")
         self.params = weight_moves.move_params(self.params, old, new, self.mesh, self.ep_spec.config.ep_axis)
         self.tables, self.placement = self._device_tables(new), new
+
+    def logical_params(self):
+        """The parameters in the model's own layout (``forward_full``'s, e.g. for prompt logprobs): ``params``, or with
+        the EP MoE the expert stacks taken back from the current placement's slots (``weight_moves.logical_params``:
+        a host copy of the experts, remade after each rebalance; the pass then places them replicated)."""
+        if self.placement is None:
+            return self.params
+        if self._logical is None or self._logical[0] is not self.placement:
+            from deepinfer_jax import sharding as sh
+            from deepinfer_jax.parallel.weight_moves import expert_leaves, logical_params
+
+            leaves, treedef = jax.tree_util.tree_flatten(self.params)
+            experts = {i for idx in expert_leaves(self.params).values() for i in idx}
+            leaves = [sh.gather_to_host(x) if i in experts else x for i, x in enumerate(leaves)]  # read, no program
+            self._logical = (self.placement, logical_params(jax.tree_util.tree_unflatten(treedef, leaves),
+                                                            self.placement))
+        return self._logical[1]
 
     def slot_counts(self, fwd: Forward) -> np.ndarray | None:
         """[L, P] int64 pairs per physical slot of a dispatched EP step (waits for it), None without EP."""

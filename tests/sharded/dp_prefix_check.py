@@ -170,8 +170,8 @@ QUANTIZED_REFUSED = ("cpu-dp2-ep2-tp2", "cpu-cp4")
 
 
 def quantized_rows(presets: list[str]) -> None:
-    """The shipped checkpoint with its weights resident quantized (``weights="quantized"``): greedy outputs of each
-    preset against one device (row ``quantized_<preset>``; with the EP MoE, EPLB rebalances forced every 3 steps so
+    """The shipped checkpoint with its weights resident quantized (``weights="quantized"``): greedy outputs and
+    prompt logprobs of each preset against one device (row ``quantized_<preset>``; with the EP MoE, EPLB rebalances forced every 3 steps so
     the quantized expert stacks move between slots), then for ``QUANTIZED_REFUSED`` the typed errors, from ``LLM``
     before anything loads and from ``ModelRunner`` given quantized parameters (row ``quantized_refused_<preset>``)."""
     import dataclasses
@@ -182,21 +182,36 @@ def quantized_rows(presets: list[str]) -> None:
 
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(3, 1000, int(n)).tolist()} for n in (5, 17, 30, 9, 24)]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    scored = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    prompt_lp = lambda outs: [[(t.token_id, t.logprob, sorted(t.top.items())) for t in o.prompt_logprobs if t]
+                              for o in outs]
+    # a plain batch, then the 17- and 30-token prompts (one length bucket) with prompt logprobs: on the EP preset
+    # they arrive after EPLB rebalances, so scoring them needs the experts in the model's own layout
+    batches = lambda llm: (llm.generate(prompts, plain, use_tqdm=False),
+                           llm.generate(prompts[1:3], scored, use_tqdm=False))
     ref = LLM(weights="quantized", **QUANTIZED_SETTINGS)
-    want = summary(ref.generate(prompts, sp, use_tqdm=False))
+    first, second = batches(ref)
+    want, want_prompt = summary(first + second), prompt_lp(second)
     for name in presets:
         start = time.perf_counter()
         preset = sh.resolve_preset(name)
         if preset.engine_expert_parallel:
             preset = preset.replace(eplb=dataclasses.replace(preset.eplb, window_steps=2, rebalance_period=3))
         llm = LLM(weights="quantized", sharding=preset, **QUANTIZED_SETTINGS)
-        got = summary(llm.generate(prompts, sp, use_tqdm=False))
+        first = llm.generate(prompts, plain, use_tqdm=False)
+        moved = llm.stats.get("eplb_rebalances", 0)  # before the scored requests arrive
+        second = llm.generate(prompts[1:3], scored, use_tqdm=False)
+        got, got_prompt = summary(first + second), prompt_lp(second)
+        prompt_diff = [abs(a[1] - b[1]) for pa, pb in zip(want_prompt, got_prompt) for a, b in zip(pa, pb)]
         w1 = llm.runner.params["layers"][0]["ffn"]["experts"]["w1"][...]
         print(json.dumps({"check": f"quantized_{name}", **compare(want, got), "resident": llm.weights_resident,
                           "ref_resident": ref.weights_resident, "experts_quantized": isinstance(w1, QWeight),
                           "experts_spec": str(w1.data.sharding.spec) if isinstance(w1, QWeight) else None,
-                          "rebalances": llm.stats.get("eplb_rebalances", 0),
+                          "rebalances_before_scoring": moved,
+                          "prompt_ids_equal": [[(t[0], [k for k, _ in t[2]]) for t in p] for p in want_prompt]
+                          == [[(t[0], [k for k, _ in t[2]]) for t in p] for p in got_prompt],
+                          "num_prompt_logprobs": len(prompt_diff), "max_prompt_logprob_diff": max(prompt_diff),
                           "seconds": round(time.perf_counter() - start, 2)}), flush=True)
     for name in QUANTIZED_REFUSED:
         preset = sh.resolve_preset(name)
