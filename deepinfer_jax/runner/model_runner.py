@@ -174,6 +174,14 @@ def _set_engram(cache, slot, engram_pos, engram_ids, at=()):
     return {**cache, "engram": ring.at[where].set(engram_ids, mode="drop")}
 
 
+def no_mask(cache: dict, rows: int, words: int, make) -> jax.Array:
+    """The all-ones token mask of ``rows`` sampling rows (made once per row count by ``make(shape)``, kept in
+    ``cache``): a step without a structured-output constraint passes it, so one program serves both."""
+    if rows not in cache:
+        cache[rows] = make((rows, words))
+    return cache[rows]
+
+
 def quantized_split_ok(preset) -> bool:
     """Whether quantized-resident weights run on ``preset``: every parameter replicated (attention data parallelism
     alone), or the routed experts split over ``ep`` by the engine's EP MoE with everything else replicated."""
@@ -623,13 +631,9 @@ class ModelRunner:
         if self.speculation is not None:
             return self.speculation.sample(fwd, mask)
         if mask is None:
-            if fwd.rows not in self._no_mask:
-                self._no_mask[fwd.rows] = self._all_ones((fwd.rows, self.mask_words))
-            mask, has = self._no_mask[fwd.rows], np.False_
+            mask, has = no_mask(self._no_mask, fwd.rows, self.mask_words, self._all_ones), np.False_
         else:
-            if mask.shape != (fwd.rows, self.mask_words) or mask.dtype != np.int32:
-                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, self.mask_words)}, got "
-                                     f"{mask.dtype} {mask.shape}")
+            self.check_mask(mask, fwd.rows)
             has = np.True_
             if self.mesh is not None:  # laid out as the all-ones mask: no retrace
                 mask = self._global(mask, self._replicated, always=True)
@@ -639,6 +643,12 @@ class ModelRunner:
         out, self.last_ids = self._sample_fn(self.num_top_logprobs, fwd.logits, mask, has, sampling,
                                              self.last_ids, sample_slot)
         return PendingStep(out, fwd.chunks, fwd.chunk_rows)
+
+    def check_mask(self, mask: np.ndarray, rows: int) -> None:
+        """``StepInputError`` unless ``mask`` is a packed token mask (int32) for ``rows`` sampling rows."""
+        if mask.shape != (rows, self.mask_words) or mask.dtype != np.int32:
+            raise StepInputError(f"mask must be int32 of shape {(rows, self.mask_words)}, got {mask.dtype} "
+                                 f"{mask.shape}")
 
     def execute(self, chunks: Sequence[ChunkSpec]) -> list[np.ndarray]:
         """Run one step; returns, per chunk, its wanted logits [len(offsets), vocab] (fp32); a context-parallel

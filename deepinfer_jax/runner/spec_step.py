@@ -36,6 +36,7 @@ from deepinfer_jax.model.host_arrays import filled
 from deepinfer_jax.model.paged import paged_step
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner.buckets import Buckets
+from deepinfer_jax.runner.model_runner import no_mask
 from deepinfer_jax.runner.program_store import stored_jit
 from deepinfer_jax.runner.step_batch import ChunkSpec, StepInputError, build_inputs, check_chunks, sampling_batch
 from deepinfer_jax.runner.step_output import SampledToken, StepOutput
@@ -242,13 +243,9 @@ class SpeculativeStep:
         rn = self.runner
         ranked = rn.mesh is not None
         if mask is None:
-            if fwd.rows not in self._no_mask:
-                self._no_mask[fwd.rows] = self._all_ones((fwd.rows, rn.mask_words))
-            dev_mask, has = self._no_mask[fwd.rows], np.False_
+            dev_mask, has = no_mask(self._no_mask, fwd.rows, rn.mask_words, self._all_ones), np.False_
         else:
-            if mask.shape != (fwd.rows, rn.mask_words) or mask.dtype != np.int32:
-                raise StepInputError(f"mask must be int32 of shape {(fwd.rows, rn.mask_words)}, got "
-                                     f"{mask.dtype} {mask.shape}")
+            rn.check_mask(mask, fwd.rows)
             dev_mask = np.full_like(mask, -1)
             given = fwd.chunk_rows or range(len(fwd.order))
             for at, row in zip(given, fwd.order):
