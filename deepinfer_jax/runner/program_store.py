@@ -88,6 +88,17 @@ def _aval(leaf) -> tuple:
     return tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False))
 
 
+def _signature(leaf) -> tuple:
+    """What selects a program for one argument, as ``_aval`` but cheaper (run on every call over a step's
+    ~500 leaves): the dtype object instead of its formatted name, and for a placed array its own shape,
+    dtype and weak type without building an aval (about 8x faster). A host array and a placed one of the
+    same aval give the same signature (a given mask and the cached all-ones one share a program)."""
+    if isinstance(leaf, jax.Array):
+        return leaf.shape, leaf.dtype, leaf.weak_type
+    t = jax.typeof(leaf)
+    return tuple(t.shape), t.dtype, bool(getattr(t, "weak_type", False))
+
+
 def _impl_name(impl) -> str:
     if not callable(impl):
         return repr(impl)  # a lazy reference names its module and attribute
@@ -160,7 +171,7 @@ class StoredJit:
         if _multi_device(leaves):
             return self._plain(*args)
         statics = tuple(args[i] for i in self.static)
-        key = (statics, _context(), in_tree, tuple(map(_aval, leaves)))
+        key = (statics, _context(), in_tree, tuple(map(_signature, leaves)))
         entry = self._programs.get(key)
         if entry is None:
             entry = self._programs[key] = self._program(where, args, statics, in_tree, leaves)
