@@ -49,7 +49,18 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / _time(lambda: f(a).block_until_ready(), repeats)
 
 
+def _benchmarks_off_path() -> None:
+    """Take this folder off ``sys.path``: it holds ``kernels.py``, and transformers imports Hugging Face's
+    ``kernels`` package by that name when it is installed, so it must not find our script first."""
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
+    mod = sys.modules.get("kernels")
+    if mod is not None and Path(getattr(mod, "__file__", "") or "").resolve().parent == here:
+        del sys.modules["kernels"]
+
+
 def nemo_model(cfg: ModelConfig, params):
+    _benchmarks_off_path()
     import nemo_oracle
     import torch
     from transformers import PreTrainedTokenizerFast
