@@ -61,10 +61,12 @@ class BucketUse:
     Lazy: a step whose smallest shape has not compiled yet runs padded in a *compiled* shape of the
     same request width that fits it (the fewest tokens first, then the narrowest block table; when
     none has compiled yet: in the largest token and block buckets, which then serve every later
-    step), until that smaller shape has been wanted ``compile_after`` times; then it compiles. A short run (a demo, a notebook cell) thus compiles one bucket instead of every
-    one its steps touch, and a long one still converges to the tight buckets (256 steps: on this CPU
-    a 64-token speculative step costs about 15 ms more than a 4-token one and a bucket about 11 s to
-    compile, so a padded bucket pays for its compilation after several hundred steps).
+    step), until that smaller shape has been wanted ``compile_after`` times; then it compiles. A short run
+    (a demo, a notebook cell) thus compiles one bucket instead of every one its steps touch, and a long one
+    still converges to the tight buckets (256 steps: on this CPU a 64-token speculative step cost about
+    15 ms more than a 4-token one when measured, before steps that verify nothing ran one logit row per
+    request, and a bucket takes about 11 s to compile, so a padded bucket pays for its compilation after
+    several hundred steps).
     Results do not depend on the bucket (padding writes and changes nothing; tested).
     """
 
