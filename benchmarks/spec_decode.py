@@ -132,11 +132,11 @@ def _save(obj: dict) -> None:
 def _recording(observe, trace: list):
     """Wrap ``SpecDecoding.observe`` to keep (confidences used, accepted drafts) of every fully verified row."""
 
-    def wrapped(chunks, results, pending, planned, device_ns):
-        for i, (c, res) in enumerate(zip(chunks, results)):
-            if c.verify and res and pending.verified[i] == K and c.request.spec.next_conf is not None:
+    def wrapped(chunks, out, planned, step_ns):
+        for i, (c, res) in enumerate(zip(chunks, out.tokens)):
+            if c.verify and res and out.verified[i] == K and c.request.spec.next_conf is not None:
                 trace.append((np.asarray(c.request.spec.next_conf, float).tolist(), len(res) - 1))
-        observe(chunks, results, pending, planned, device_ns)
+        observe(chunks, out, planned, step_ns)
 
     return wrapped
 
