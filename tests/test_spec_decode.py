@@ -246,11 +246,13 @@ def test_spec_runner_refuses_bad_input(params):
 
 def test_a_step_that_verifies_nothing_runs_one_logit_row_per_request(params):
     """A budget of 0 and no forced row: the narrow program (one logit row per request row) gives the tokens,
-    logprobs and cache the wide one (K + 1 per row) gives for the same step, and the engine's forward picks it."""
+    logprobs and cache the wide one (K + 1 per row) gives for the same step; a lazy runner's forward picks it
+    once the bucket has run ``compile_after`` such steps, an eager one never."""
     cc = CacheConfig(block_size=16, num_blocks=8, max_requests=2, max_blocks_per_request=4)
     runner = ModelRunner(CFG, params, cc, Buckets(tokens=(16,), requests=(2,), blocks=(4,)),
                          drafter=init_drafter_params(CFG, seed=4))
     spec = runner.speculation
+    runner.bucket_use.lazy, runner.bucket_use.compile_after = True, 0  # the narrow program from the first step
     prompts = [[5, 9, 31, 7, 2], [40, 41, 3]]
     hot = SampleSpec(temperature=0.8, top_p=0.9, seed=11)
     first = runner.launch([ChunkSpec(slot=s, block_table=[2 * s, 2 * s + 1], ctx_len=0, token_ids=p, prompt_len=len(p),
@@ -273,6 +275,10 @@ def test_a_step_that_verifies_nothing_runs_one_logit_row_per_request(params):
     for a, b in zip(jax.tree.leaves(narrow_cache), jax.tree.leaves(runner.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert runner.forward(rows, budget=3, draft=False).logits.shape[0] == 2 * (K + 1)  # drafts to verify: wide
+    runner.bucket_use.compile_after = 10**6  # a bucket that has not run enough such steps keeps the wide program
+    assert runner.forward(rows, budget=0, draft=False).logits.shape[0] == 2 * (K + 1)
+    runner.bucket_use.lazy = False  # precompile="all": never the narrow program
+    assert runner.forward(rows, budget=0, draft=False).logits.shape[0] == 2 * (K + 1)
 
 
 # ---- the engine ---------------------------------------------------------------------------------
