@@ -244,41 +244,43 @@ def test_spec_runner_refuses_bad_input(params):
         runner.forward([ChunkSpec(slot=0, block_table=[0, 1], ctx_len=3, token_ids=[0], verify=True, limit=100)])
 
 
-def test_a_step_that_verifies_nothing_runs_one_logit_row_per_request(params):
+def test_a_step_that_verifies_nothing_runs_one_logit_row_per_request(exact_cfg, params):
     """A budget of 0 and no forced row: the narrow program (one logit row per request row) gives the tokens,
     logprobs and cache the wide one (K + 1 per row) gives for the same step; a lazy runner's forward picks it
-    once the bucket has run ``compile_after`` such steps, an eager one never."""
-    cc = CacheConfig(block_size=16, num_blocks=8, max_requests=2, max_blocks_per_request=4)
-    runner = ModelRunner(CFG, params, cc, Buckets(tokens=(16,), requests=(2,), blocks=(4,)),
-                         drafter=init_drafter_params(CFG, seed=4))
+    once the bucket has run ``compile_after`` such steps, an eager one never. (The runner is the rollback
+    test's, so the wide programs come from the program store: only the narrow pair compiles here.)"""
+    cc = CacheConfig(block_size=16, num_blocks=32, max_requests=4, max_blocks_per_request=8, storage="dequantized")
+    runner = ModelRunner(exact_cfg, params, cc, Buckets(tokens=(48,), requests=(4,), blocks=(8,)),
+                         drafter=init_drafter_params(exact_cfg, seed=4))
     spec = runner.speculation
     runner.bucket_use.lazy, runner.bucket_use.compile_after = True, 0  # the narrow program from the first step
     prompts = [[5, 9, 31, 7, 2], [40, 41, 3]]
     hot = SampleSpec(temperature=0.8, top_p=0.9, seed=11)
-    first = runner.launch([ChunkSpec(slot=s, block_table=[2 * s, 2 * s + 1], ctx_len=0, token_ids=p, prompt_len=len(p),
+    tables = [list(range(8 * s, 8 * s + 8)) for s in range(2)]
+    first = runner.launch([ChunkSpec(slot=s, block_table=tables[s], ctx_len=0, token_ids=p, prompt_len=len(p),
                                      sample=SampleSpec() if s == 0 else hot) for s, p in enumerate(prompts)]).result()
-    rows = [ChunkSpec(slot=s, block_table=[2 * s, 2 * s + 1], ctx_len=len(p), token_ids=[0], verify=True,
+    rows = [ChunkSpec(slot=s, block_table=tables[s], ctx_len=len(p), token_ids=[0], verify=True,
                       max_drafts=K, limit=len(p) + 10, prompt_len=len(p), sample=SampleSpec() if s == 0 else hot)
             for s, p in enumerate(prompts)]
     copy = lambda tree: jax.tree.map(jnp.copy, tree)
     saved = copy((runner.cache, spec.state, runner.last_ids))
     fwd = runner.forward(rows, budget=0, draft=False)
-    assert fwd.logits.shape[0] == 2  # one row per request row
+    assert fwd.logits.shape[0] == 4  # one row per request row of the bucket
     narrow, narrow_cache = spec.sample(fwd).result(), copy(runner.cache)
     runner.cache, spec.state, runner.last_ids = saved
-    wide_fwd = spec._dispatch([rows], [0], [False], 16, 2, 4, verify=True)
-    assert wide_fwd.logits.shape[0] == 2 * (K + 1)
+    wide_fwd = spec._dispatch([rows], [0], [False], 48, 4, 8, verify=True)
+    assert wide_fwd.logits.shape[0] == 4 * (K + 1)
     wide = spec.sample(wide_fwd).result()
     assert [[t.token for t in r] for r in narrow] == [[t.token for t in r] for r in wide]
     assert all(len(r) == 1 for r in narrow) and len(first) == 2
     np.testing.assert_allclose([r[0].logprob for r in narrow], [r[0].logprob for r in wide], rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(narrow_cache), jax.tree.leaves(runner.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert runner.forward(rows, budget=3, draft=False).logits.shape[0] == 2 * (K + 1)  # drafts to verify: wide
+    assert runner.forward(rows, budget=3, draft=False).logits.shape[0] == 4 * (K + 1)  # drafts to verify: wide
     runner.bucket_use.compile_after = 10**6  # a bucket that has not run enough such steps keeps the wide program
-    assert runner.forward(rows, budget=0, draft=False).logits.shape[0] == 2 * (K + 1)
+    assert runner.forward(rows, budget=0, draft=False).logits.shape[0] == 4 * (K + 1)
     runner.bucket_use.lazy = False  # precompile="all": never the narrow program
-    assert runner.forward(rows, budget=0, draft=False).logits.shape[0] == 2 * (K + 1)
+    assert runner.forward(rows, budget=0, draft=False).logits.shape[0] == 4 * (K + 1)
 
 
 # ---- the engine ---------------------------------------------------------------------------------
