@@ -585,7 +585,7 @@ def test_speculation_equals_one_device_and_counts_per_rank(prefix_checks, preset
 
 @pytest.mark.parametrize("preset", PREFIX_PRESETS)
 def test_quantized_residency_equals_one_device(prefix_checks, preset):
-    row = prefix_checks[f"quantized_{preset}"]  # the shipped checkpoint, FP8/FP4 weights resident on every rank
+    row = prefix_checks[f"quantized_{preset}"]  # a quantized checkpoint, FP8/FP4 weights resident on every rank
     assert row["resident"] == row["ref_resident"] == "quantized" and row["experts_quantized"], row
     assert row["ids_equal"] and row["reasons_equal"] and row["num_tokens"] == 7 * 6, row
     assert row["num_logprobs"] == 7 * 6 and row["max_logprob_diff"] < 1e-4, row
