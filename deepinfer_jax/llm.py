@@ -50,6 +50,7 @@ from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.profiling import profile_cost_model, profile_step_times
 from deepinfer_jax.engine.structured import LLGuidanceBackend, StructuredOutputs
 from deepinfer_jax.runner import Buckets, ModelRunner, SampleSpec
+from deepinfer_jax.runner.program_store import ProgramLog
 from deepinfer_jax.runner.buckets import block_buckets
 from deepinfer_jax.tokenizer import load_tokenizer
 
@@ -148,6 +149,10 @@ class LLM:
         ec = EngineConfig(**settings)
         t_start = time.perf_counter()
         self.compilation_cache_dir = compile_cache.enable(ec.compilation_cache)
+        # the step programs an engine of these arguments used last time start loading now, beside the checkpoint
+        self.program_log = ProgramLog(repr((None if model is None else str(model), config, dtype, weights,
+                                            params is None, drafter is None, ec)))
+        self.program_log.prefetch()
         self.sharding_preset = self.mesh = None
         if ec.sharding is not None:  # a bad preset or too few devices fail here, before anything loads
             from deepinfer_jax import sharding as sh
@@ -221,7 +226,7 @@ class LLM:
             spec = dict(drafter=drafter, draft_vocab=load_draft_vocab(ckpt, cfg.vocab_size, ec.draft_vocab_size))
         mesh = {} if self.sharding_preset is None else dict(mesh=self.mesh, preset=self.sharding_preset)
         self.runner = ModelRunner(cfg, params, cache_cfg, buckets, num_top_logprobs=ec.max_logprobs,
-                                  decoder_replay=ec.decoder_replay, **mesh, **spec)
+                                  decoder_replay=ec.decoder_replay, program_log=self.program_log, **mesh, **spec)
         self._online_saves: dict[str, Path] = {}  # profiles fitted online, saved after each generate
         self.runner.bucket_use.lazy = ec.precompile == "lazy"
         if ec.precompile == "all":

@@ -284,6 +284,66 @@ def test_program_store_keeps_only_programs_compiled_in_this_process(tmp_path, mo
     assert len(list((tmp_path / "xla-programs").iterdir())) == 1
 
 
+def test_program_log_prefetches_what_the_configuration_used_last_and_survives_a_damaged_manifest(tmp_path,
+                                                                                                   monkeypatch):
+    from deepinfer_jax.runner import program_store
+    from deepinfer_jax.runner.program_store import ProgramLog, StoredJit
+
+    monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
+    monkeypatch.delenv("DEEPINFER_PROGRAM_STORE", raising=False)
+    traced, loaded = [], []
+
+    def step(x):
+        traced.append(1)
+        return jnp.sin(x) * 3
+
+    make = lambda log: StoredJit(step, "toy", on_build=lambda: loaded.append(1), log=log)
+    x = jnp.arange(8.0)
+    first = make(ProgramLog("engine A"))(x)
+    [stored] = [f for f in (tmp_path / "xla-programs").iterdir() if f.suffix == ".bin"]
+    log = ProgramLog("engine A")  # a new process with the same configuration
+    assert log.entries() == [[stored.name, jax.devices()[0].id]]
+    assert ProgramLog("engine B").prefetch() == 0 and not program_store._prefetched  # another configuration
+    assert log.prefetch() == 1 and stored in program_store._prefetched
+    assert log.prefetch() == 0  # already loading
+    second = make(log)(x)  # takes the prefetched program: nothing traced, nothing left pending
+    assert len(traced) == 1 and len(loaded) == 1 and not program_store._prefetched
+    assert np.array_equal(np.asarray(first), np.asarray(second))
+
+    manifest = log.path()
+    manifest.write_text("{not json")  # damaged: nothing to prefetch, and the next use rewrites it
+    damaged = ProgramLog("engine A")
+    assert damaged.entries() == [] and damaged.prefetch() == 0
+    make(damaged)(x)
+    assert json.loads(manifest.read_text()) == [[stored.name, jax.devices()[0].id]]
+    manifest.write_text(json.dumps([["toy-gone.bin", 0], [stored.name, 12345]]))  # a deleted file, a foreign device
+    assert ProgramLog("engine A").prefetch() == 0
+    monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "off")
+    assert ProgramLog("engine A").path() is None and ProgramLog("engine A").prefetch() == 0
+
+
+def test_a_second_engine_of_the_same_settings_prefetches_its_step_programs(tmp_path, monkeypatch):
+    """End to end through ``LLM``, in a cache of its own (a program the shared cache answers is not stored)."""
+    from deepinfer_jax.runner import program_store
+
+    taken = []
+    take = program_store._take_prefetched
+    monkeypatch.setattr(program_store, "_take_prefetched", lambda path: taken.append(take(path)) or taken[-1])
+    own = {**SETTINGS, "chunking": "tokens", "compilation_cache": str(tmp_path / "xla")}
+    try:
+        first = LLM("tiny", **own)
+        want = first.generate(PROMPTS, SP, use_tqdm=False)
+        assert len(first.program_log.entries()) >= 2  # the step's forward and sample programs, at least
+        assert not any(t is not None for t in taken)
+        again = LLM("tiny", **own)  # started loading them before the checkpoint
+        got = again.generate(PROMPTS, SP, use_tqdm=False)
+        assert sum(t is not None for t in taken) >= 2, taken
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert LLM("tiny", **{**own, "max_num_seqs": 3}).program_log.path() != first.program_log.path()
+    finally:
+        compile_cache.enable(None)  # back to the suite's cache
+
+
 def test_lazy_block_buckets_pad_into_a_compiled_wider_table_until_one_is_wanted_often():
     from deepinfer_jax.runner.buckets import BucketUse
 

@@ -255,9 +255,11 @@ class ModelRunner:
 
     def __init__(self, cfg, params, cache_cfg, buckets: Buckets | None = None, num_top_logprobs: int = 5,
                  decoder_replay: bool = False, *, mesh=None, preset=None, drafter=None, draft_vocab=None,
-                 cp_pad_to: int = 64):
+                 cp_pad_to: int = 64, program_log=None):
         cache_cfg.validate_for(cfg)
         self.cfg, self.cache_cfg = cfg, cache_cfg
+        #: The ``program_store.ProgramLog`` the stored step programs record their files in (``LLM`` gives one).
+        self.program_log = program_log
         self.buckets = buckets or Buckets()
         check_runner_settings(self.buckets, cache_cfg, num_top_logprobs)
         self.num_top_logprobs = num_top_logprobs
@@ -311,9 +313,10 @@ class ModelRunner:
         self.last_ids = filled((cache_cfg.max_requests,), jnp.int32)
         self._pleaves, self._ptree = jax.tree_util.tree_flatten(params)
         # the step programs: traced once per machine and kept on disk (runner.program_store)
-        self._fn = stored_jit(logits_step_flat, "step", (0, 2, 3), (4,), on_build=count_trace)
-        self._forward_fn = stored_jit(forward_step_flat, "forward", (0, 2, 3), (4,), on_build=count_trace)
-        self._sample_fn = stored_jit(sample_rows, "sample", (0,), on_build=count_trace)
+        log = self.program_log
+        self._fn = stored_jit(logits_step_flat, "step", (0, 2, 3), (4,), on_build=count_trace, log=log)
+        self._forward_fn = stored_jit(forward_step_flat, "forward", (0, 2, 3), (4,), on_build=count_trace, log=log)
+        self._sample_fn = stored_jit(sample_rows, "sample", (0,), on_build=count_trace, log=log)
         self._snapshot_fn = jax.jit(_snapshot)
         self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
         self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))

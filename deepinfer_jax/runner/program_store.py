@@ -25,24 +25,35 @@ jit and the compilation cache). ``on_build`` is called when a program is loaded 
 so the runners' trace counters (incremented inside the traced functions) count the programs a
 process built either way. The directory is trusted code, like the compilation cache's: loading an
 executable runs native code.
+
+**Prefetch.** Loading a stored step program takes up to 1.5 s on this machine (the shipped model's forward
+step ~1 s: its executable is ~5 MB of object code to link), and a warm process used to pay it when its first
+step needed the program. An engine that gives each ``StoredJit`` a ``ProgramLog`` records, per engine
+configuration, which files it used first (``manifest-<key>.json`` in the store); ``ProgramLog.prefetch``,
+called by ``LLM()`` before it loads the checkpoint, starts loading those files on a background thread
+(the load releases the GIL), and ``StoredJit`` takes a prefetched program instead of loading the file
+itself. The log only saves time: a stale or foreign manifest loads programs nobody asks for, never a wrong
+one (a program is still looked up by its full key).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import pickle
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 
 from deepinfer_jax import compile_cache
 
-__all__ = ["ENV", "StoredJit", "stored_jit"]
+__all__ = ["ENV", "ProgramLog", "StoredJit", "stored_jit"]
 
 ENV = "DEEPINFER_PROGRAM_STORE"
 
@@ -149,16 +160,99 @@ def _count_cache_hit(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hit)
 
 
+#: Background loads ``ProgramLog.prefetch`` started: file path -> Future of ``_load``'s result.
+_prefetched: dict[Path, Future] = {}
+_prefetch_lock = threading.Lock()
+_loader: list[ThreadPoolExecutor] = []
+
+
+def _take_prefetched(path: Path):
+    """The program a prefetch loaded from ``path`` (waiting for it if still loading), or None."""
+    with _prefetch_lock:
+        future = _prefetched.pop(path, None)
+    return None if future is None else future.result()
+
+
+class ProgramLog:
+    """The stored programs one engine configuration used, in the order it first needed them (see the module
+    docstring: Prefetch). ``identity``: a string that names the configuration (``LLM`` uses its arguments);
+    the manifest's name hashes it with the environment digest of the program files."""
+
+    #: Files a manifest lists at most (the first ones an engine needs are what prefetch is for).
+    MAX_ENTRIES = 8
+
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+        self._entries: list[list] | None = None  # [file name, device id] in order of first use
+
+    def path(self) -> Path | None:
+        """The manifest's file, or None when the program store is off."""
+        where = _store_dir()
+        if where is None:
+            return None
+        key = hashlib.sha256(f"{self.identity}\n{_environment_digest()}".encode()).hexdigest()[:32]
+        return where / f"manifest-{key}.json"
+
+    def entries(self) -> list[list]:
+        """[file name, device id] of the programs used, first used first; [] for a missing or damaged manifest."""
+        if self._entries is None:
+            path, self._entries = self.path(), []
+            try:
+                raw = json.loads(path.read_text()) if path is not None and path.exists() else []
+                self._entries = [[str(n), int(d)] for n, d in raw][: self.MAX_ENTRIES]
+            except (OSError, ValueError, TypeError):
+                pass  # damaged: rewritten by the next record
+        return self._entries
+
+    def prefetch(self, limit: int = 2) -> int:
+        """Start loading the first ``limit`` programs the manifest lists on a background thread; returns how many
+        loads it started (files that no longer exist, or for a device this process lacks, are skipped)."""
+        path = self.path()
+        if path is None:
+            return 0
+        devices = {d.id: d for d in jax.local_devices()}
+        started = 0
+        for name, device_id in self.entries()[:limit]:
+            file = path.parent / name
+            if device_id not in devices or not file.exists():
+                continue
+            with _prefetch_lock:
+                if file in _prefetched:
+                    continue
+                if not _loader:
+                    _loader.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-prefetch"))
+                _prefetched[file] = _loader[0].submit(_load, file, devices[device_id])
+            started += 1
+        return started
+
+    def record(self, file: Path, device) -> None:
+        """Note that this configuration used ``file`` (on ``device``); rewrites the manifest when it is new."""
+        entries, entry = self.entries(), [file.name, device.id]
+        if entry in entries or len(entries) >= self.MAX_ENTRIES:
+            return
+        entries.append(entry)
+        path, tmp = self.path(), None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f)
+            os.replace(tmp, path)
+        except (OSError, AttributeError):  # an unwritable store: nothing to prefetch next time
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+
+
 class StoredJit:
     """``jax.jit(fn, static_argnums, donate_argnums)`` with its compiled programs stored (see the
-    module docstring). ``name`` names the files."""
+    module docstring). ``name`` names the files; ``log``: the ``ProgramLog`` that records the files used."""
 
     def __init__(self, fn: Callable, name: str, static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
-                 on_build: Callable[[], None] | None = None) -> None:
+                 on_build: Callable[[], None] | None = None, log: ProgramLog | None = None) -> None:
         self.fn, self.name = fn, name
         self.static = tuple(sorted(static_argnums))
         self.donate = tuple(sorted(donate_argnums))
         self.on_build = on_build
+        self.log = log
         self._plain = jax.jit(fn, static_argnums=self.static, donate_argnums=self.donate)
         self._programs: dict[tuple, tuple[Callable, object]] = {}
 
@@ -200,15 +294,19 @@ class StoredJit:
                           f"device {device.id}", _env_flags(), _environment_digest()])
         path = where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
         if path.exists():
-            loaded = _load(path, device)
+            loaded = _take_prefetched(path) or _load(path, device)
             if loaded is not None:
                 if self.on_build is not None:
                     self.on_build()
+                if self.log is not None:
+                    self.log.record(path, device)
                 return loaded
         hits = getattr(_hits, "n", 0)
         compiled, out_tree = self._compile(args, in_tree, leaves)  # traces fn (its own counters count it)
         if getattr(_hits, "n", 0) == hits:  # compiled here, not loaded from the compilation cache
             _save(path, compiled, out_tree)
+            if self.log is not None and path.exists():
+                self.log.record(path, device)
         return compiled, out_tree
 
     def _compile(self, args, in_tree, leaves):
@@ -257,6 +355,6 @@ def _save(path: Path, compiled, fn_out_tree) -> None:
 
 
 def stored_jit(fn: Callable, name: str, static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
-               on_build: Callable[[], None] | None = None) -> StoredJit:
+               on_build: Callable[[], None] | None = None, log: ProgramLog | None = None) -> StoredJit:
     """``StoredJit(...)``: see the module docstring."""
-    return StoredJit(fn, name, static_argnums, donate_argnums, on_build)
+    return StoredJit(fn, name, static_argnums, donate_argnums, on_build, log)

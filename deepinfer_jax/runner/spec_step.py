@@ -150,8 +150,10 @@ class SpeculativeStep:
             #: The per-slot speculative state (``model.speculative.SpecState``; over a mesh stacked per DP rank).
             self.state = spec_ops.init_spec_state(cfg, cache_cfg.max_requests, ring, vd)
             self._dleaves, self._dtree = jax.tree_util.tree_flatten(drafter)
-            self._forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=count_trace)
-            self._sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=count_trace)
+            self._forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=count_trace,
+                                         log=runner.program_log)
+            self._sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=count_trace,
+                                        log=runner.program_log)
         else:
             self._mesh_programs(ring, vd)
 
