@@ -289,7 +289,11 @@ class LLM:
         stats = AcceptanceStats(k)
         policy = make_policy(self.speculation, k=k, num_speculative_tokens=ntok, times=times, stats=stats,
                              plain_times=plain)
-        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain, search_times=search)
+        step = self.runner.speculation
+        if self.engine_config.speculation == "auto" and self.engine_config.precompile == "lazy":
+            step.defer_drafting()  # the drafter's program waits until it is stored or wanted often (one device)
+        return SpecDecoding(policy, k, times or StepTimes(self.buckets.tokens), stats, plain, search_times=search,
+                            can_draft=step.can_draft)
 
     def _step_time_tables(self, use_tqdm: bool) -> list:
         """[drafting, plain, drafting with search, plain with search] ``StepTimes``: from the disk cache

@@ -37,9 +37,10 @@ def _concurrent_body(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def llm():
-    # the engine shape of tests/test_chat.py: the compiled programs are shared through the cache
+    # the engine shape of tests/test_chat.py: the compiled programs are shared through the cache; "dspark" (what
+    # "auto" resolves to) so that the drafter runs from the first step and /metrics has acceptance to report
     return LLM(max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,), block_size=32, max_model_len=512,
-               chunking="tokens", use_tqdm=False, default_thinking_mode=False)
+               chunking="tokens", use_tqdm=False, default_thinking_mode=False, speculation="dspark")
 
 
 @pytest.fixture(scope="module")

@@ -317,6 +317,44 @@ def test_speculation_is_on_with_a_drafter_and_off_without(spec_llm, plain_llm):
     assert LLM._speculation(EngineConfig(), None) == "none"
 
 
+def test_auto_defers_the_drafters_program_until_it_is_stored_or_wanted(params, plain_llm, spec_llm, tmp_path,
+                                                                        monkeypatch):
+    """A lazy engine under speculation="auto" starts with the accept-only program (no drafter compiled), drafts
+    once drafting was wanted ``compile_after`` times, and a later engine finds that program stored and drafts
+    at once; greedy tokens are plain decoding's throughout. A program store of its own (nothing stored yet)."""
+    from deepinfer_jax import compile_cache
+
+    monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")  # the store: tmp_path/xla-programs
+    prompts = _prompts(7, 12)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _ids(plain_llm.generate(prompts, sp, use_tqdm=False))
+    auto = LLM(config=CFG, params=params, drafter=spec_llm.drafter, **SETTINGS)
+    step, spec = auto.runner.speculation, auto.engine.spec
+    assert auto.speculation == "dspark" and not step.drafting_ready
+    spec.policy.plain_times = None  # draft whatever the step times say (as in the test below)
+    assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
+    assert spec.stats.steps_drafting == spec.stats.drafts_verified == 0 and step._draft_wants > 0
+    assert step._accept_fn._programs and not step._sample_fn._programs  # the drafter was never compiled
+    step._draft_wants = auto.runner.bucket_use.compile_after - 3  # a long run: a few more wants, then it drafts
+    # compiled here rather than answered by the suite's compilation cache, so that the store keeps it
+    suite_cache = jax.config.jax_compilation_cache_dir
+    compile_cache.enable(str(tmp_path / "fresh"))
+    try:
+        assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
+    finally:
+        compile_cache.enable(suite_cache)
+    assert step.drafting_ready and step._sample_fn._programs
+    assert spec.stats.steps_drafting > 0 and spec.stats.drafts_accepted > 0
+
+    # a later process, as far as the drafting program goes: not in memory, deferred again, but in the store
+    step._sample_fn._programs.clear()
+    step._sample_fn._absent.clear()
+    step.drafting_ready, step._draft_wants, accepted = False, 0, spec.stats.drafts_accepted
+    assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
+    assert step.drafting_ready and step._draft_wants <= 1 and step._sample_fn._programs  # loaded at the first step
+    assert spec.stats.drafts_accepted > accepted
+
+
 @pytest.mark.parametrize("policy", ["fixed1", "fixed5", "dspark"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_greedy_outputs_equal_decoding_without_speculation(spec_llm, plain_llm, policy, async_scheduling):

@@ -330,6 +330,7 @@ def test_a_second_engine_of_the_same_settings_prefetches_its_step_programs(tmp_p
     take = program_store._take_prefetched
     monkeypatch.setattr(program_store, "_take_prefetched", lambda path: taken.append(take(path)) or taken[-1])
     own = {**SETTINGS, "chunking": "tokens", "compilation_cache": str(tmp_path / "xla")}
+    suite_cache = jax.config.jax_compilation_cache_dir
     try:
         first = LLM("tiny", **own)
         want = first.generate(PROMPTS, SP, use_tqdm=False)
@@ -341,7 +342,7 @@ def test_a_second_engine_of_the_same_settings_prefetches_its_step_programs(tmp_p
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert LLM("tiny", **{**own, "max_num_seqs": 3}).program_log.path() != first.program_log.path()
     finally:
-        compile_cache.enable(None)  # back to the suite's cache
+        compile_cache.enable(suite_cache)  # back to the suite's cache
 
 
 def test_lazy_block_buckets_pad_into_a_compiled_wider_table_until_one_is_wanted_often():

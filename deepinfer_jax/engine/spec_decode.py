@@ -19,7 +19,7 @@ rank gets its own budget and its own drafting switch) and counts the step once; 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,8 +58,12 @@ class SpecDecoding:
 
     def __init__(self, policy: VerifyPolicy, k: int, times: StepTimes, stats: AcceptanceStats,
                  plain_times: StepTimes | None = None, sampled_drafts: bool = True,
-                 search_times: tuple[StepTimes, StepTimes] | None = None) -> None:
+                 search_times: tuple[StepTimes, StepTimes] | None = None,
+                 can_draft: Callable[[], bool] | None = None) -> None:
         self.policy, self.k, self.times, self.acceptance = policy, k, times, stats
+        # asked when the policy wants a step to draft: whether the runner may (``SpeculativeStep.can_draft``:
+        # False while a lazy engine defers its drafting program); None = always
+        self.can_draft = can_draft
         self.plain_times = plain_times  # steps that skip drafting
         # (drafting, plain) step times of steps whose sampling searches top-p / top-k thresholds (every
         # logit row then runs the search: verification costs more there); None = one table for all
@@ -136,7 +140,7 @@ class SpecDecoding:
         plan = self.policy.plan(rows, host_tokens)
         caps = {i: (cap, forced) for i, cap, forced in zip(idx, plan.caps, plan.forced)}
         tokens = host_tokens + len(idx) + sum(c for c, f in zip(plan.caps, plan.forced) if f) + plan.budget
-        draft = self.policy.worth_drafting(could, host_tokens)
+        draft = self.policy.worth_drafting(could, host_tokens) and (self.can_draft is None or self.can_draft())
         for c in chunks:  # the rows producing a token get fresh drafts iff this step drafts
             if c.sample:
                 c.request.spec.has_drafts = draft and self._drafts_for(c.request)

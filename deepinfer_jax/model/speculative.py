@@ -275,10 +275,13 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
 
 
 def draft_next(spec: SpecState, last_ids: jax.Array, drafter, target, cfg, heads, out: Accepted, layout: SpecLayout,
-               rows: SpecRows, sampling, slot_R: jax.Array, enabled: jax.Array) -> tuple[SpecState, jax.Array]:
+               rows: SpecRows, sampling, slot_R: jax.Array, enabled: jax.Array,
+               drafting: bool = True) -> tuple[SpecState, jax.Array]:
     """Take each producing row's new tokens into its slot (length, anchor) and draft the next block after
     the new anchor over the draft vocabulary ``heads`` (``dspark.DraftHeads``); skipped when ``enabled``
-    is False: the slots' drafts then go stale and the host must not verify them. Returns (spec, last_ids)."""
+    is False: the slots' drafts then go stale and the host must not verify them. ``drafting=False`` (static)
+    leaves the drafter out of the traced program altogether, as if ``enabled`` were always False.
+    Returns (spec, last_ids)."""
     slots, c = spec.feat_pos.shape
     k = spec.drafts.shape[1]
     produce = out.n_new > 0
@@ -291,6 +294,8 @@ def draft_next(spec: SpecState, last_ids: jax.Array, drafter, target, cfg, heads
     host_rows = (~rows.is_verify) & (slot_R < slots)
     ctx_from = spec.ctx_from.at[jnp.where(host_rows, slot_R, slots)].set(rows.ctx_from, mode="drop")
     spec = spec._replace(length=length, ctx_from=ctx_from)
+    if not drafting:
+        return spec, last_ids
 
     def run(spec):
         s = jnp.clip(slot_R, 0, slots - 1)

@@ -255,6 +255,7 @@ class StoredJit:
         self.log = log
         self._plain = jax.jit(fn, static_argnums=self.static, donate_argnums=self.donate)
         self._programs: dict[tuple, tuple[Callable, object]] = {}
+        self._absent: set[tuple] = set()  # keys ``available`` found neither in memory nor in the store
 
     def __call__(self, *args):
         where = _store_dir()
@@ -272,6 +273,25 @@ class StoredJit:
         call, out_tree = entry
         return jax.tree.unflatten(out_tree, call(*leaves))
 
+    def available(self, *args) -> bool:
+        """Whether a call with ``args`` would find its program built in this process or in the store (nothing is
+        traced, loaded or compiled here). False with the store off or for multi-device arguments."""
+        where = _store_dir()
+        dyn = [a for i, a in enumerate(args) if i not in self.static]
+        leaves, in_tree = jax.tree.flatten(dyn)
+        if where is None or _multi_device(leaves):
+            return False
+        statics = tuple(args[i] for i in self.static)
+        key = (statics, _context(), in_tree, tuple(map(_signature, leaves)))
+        if key in self._programs:
+            return True
+        if key in self._absent:  # a file this process did not write does not appear in the meantime
+            return False
+        if self._path(where, statics, in_tree, leaves).exists():
+            return True
+        self._absent.add(key)
+        return False
+
     def lower(self, *args):
         """The plain jit's lowering (for HLO inspection; the stored form compiles the same computation)."""
         return self._plain.lower(*args)
@@ -288,11 +308,15 @@ class StoredJit:
             at += n
         return tuple(out)
 
+    def _path(self, where: Path, statics, in_tree, leaves) -> Path:
+        """The file of the program for these arguments (see the module docstring for what its name hashes)."""
+        text = "\n".join([self.name, repr(statics), repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
+                          f"device {_device(leaves).id}", _env_flags(), _environment_digest()])
+        return where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
+
     def _program(self, where: Path, args, statics, in_tree, leaves):
         device = _device(leaves)
-        text = "\n".join([self.name, repr(statics), repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
-                          f"device {device.id}", _env_flags(), _environment_digest()])
-        path = where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
+        path = self._path(where, statics, in_tree, leaves)
         if path.exists():
             loaded = _take_prefetched(path) or _load(path, device)
             if loaded is not None:

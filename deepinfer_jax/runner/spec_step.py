@@ -62,6 +62,15 @@ def _spec_sample(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, ma
                             last_ids, slot_R, draft, want_logprobs)
 
 
+def _spec_accept(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, mask, has_mask, sampling, layout, rows,
+                 spec, last_ids, slot_R, draft, want_logprobs):
+    """``_spec_sample`` without the drafter (``spec_sample_step(drafting=False)``): accept and take the tokens into
+    the slots; ``draft`` is ignored. The program a step runs while drafting is deferred (``SpeculativeStep``)."""
+    params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
+    return spec_sample_step(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec,
+                            last_ids, slot_R, draft, want_logprobs, drafting=False)
+
+
 @dataclass
 class SpecForward:
     """A dispatched speculative model step whose acceptance is still to dispatch."""
@@ -145,6 +154,10 @@ class SpeculativeStep:
         self.heads = dspark.draft_heads(drafter, params, cfg, draft_vocab)
         self._no_mask: dict[int, jax.Array] = {}  # rows -> an all-ones mask on the device(s)
         self._narrow_wants: collections.Counter = collections.Counter()  # shape -> steps that verified nothing
+        #: False while drafting is deferred (``defer_drafting``): steps then draft nothing and sample through the
+        #: accept-only program; True once a drafting program exists (or was wanted ``compile_after`` times).
+        self.drafting_ready = True
+        self._draft_wants = 0  # steps that wanted to draft while it was deferred
         ring, vd = cfg.sliding_window + cache_cfg.spec_slack, int(self.heads.ids.shape[0])
         if runner.mesh is None:
             #: The per-slot speculative state (``model.speculative.SpecState``; over a mesh stacked per DP rank).
@@ -153,6 +166,8 @@ class SpeculativeStep:
             self._forward_fn = stored_jit(_spec_forward, "spec_forward", (0, 2, 4, 5), (6, 7), on_build=count_trace,
                                          log=runner.program_log)
             self._sample_fn = stored_jit(_spec_sample, "spec_sample", (0, 1, 2, 4), (13, 14), on_build=count_trace,
+                                        log=runner.program_log)
+            self._accept_fn = stored_jit(_spec_accept, "spec_accept", (0, 1, 2, 4), (13, 14), on_build=count_trace,
                                         log=runner.program_log)
         else:
             self._mesh_programs(ring, vd)
@@ -191,6 +206,26 @@ class SpeculativeStep:
             return False
         self._narrow_wants[(n, r, b)] += 1
         return self._narrow_wants[(n, r, b)] > use.compile_after
+
+    def defer_drafting(self) -> None:
+        """Let a lazy engine start without the drafter's program (``speculation="auto"``, one device). The
+        drafting program is the larger part of a speculative bucket's compile (measured on the shipped model:
+        3.4-3.7 s of the sampling program's compile against ~1 s without the drafter), and a short run in a
+        fresh process rarely gets it back. While deferred, every step samples through the *accept-only* program
+        (the same acceptance and slot updates, no drafter: the feature rings keep filling, so drafting can start
+        at any step), and ``can_draft`` answers False until the bucket's drafting program is found in the program
+        store (a warm process: from its first step on) or drafting was wanted ``compile_after`` times (then it
+        compiles, like a tighter bucket in ``BucketUse``)."""
+        if self.runner.mesh is None:
+            self.drafting_ready = False
+
+    def can_draft(self) -> bool:
+        """Whether a step may draft the next blocks; the engine asks when its policy wants a step to draft (so
+        a deferred engine counts the wants)."""
+        if not self.drafting_ready:
+            self._draft_wants += 1
+            self.drafting_ready = self._draft_wants > self.runner.bucket_use.compile_after
+        return self.drafting_ready
 
     def precompile(self, progress=None) -> None:
         """Compile the speculative engine step of every bucket with all-padding inputs, plus the prefix cache's
@@ -274,9 +309,13 @@ class SpeculativeStep:
                 dev_mask[row] = mask[at]
             has = np.True_
         if not ranked:
-            outs = self._sample_fn(rn.num_top_logprobs, rn.cfg, rn._ptree, rn._pleaves, self._dtree, self._dleaves,
-                                   self.heads, fwd.logits, dev_mask, has, fwd.sampling, fwd.layout, fwd.spec_rows,
-                                   self.state, rn.last_ids, fwd.slot, np.bool_(fwd.draft), np.bool_(fwd.logprobs))
+            args = (rn.num_top_logprobs, rn.cfg, rn._ptree, rn._pleaves, self._dtree, self._dleaves, self.heads,
+                    fwd.logits, dev_mask, has, fwd.sampling, fwd.layout, fwd.spec_rows, self.state, rn.last_ids,
+                    fwd.slot, np.bool_(fwd.draft), np.bool_(fwd.logprobs))
+            if not (self.drafting_ready or fwd.draft) and self._sample_fn.available(*args):
+                self.drafting_ready = True  # a warm process: the drafting program is in the store
+            outs = (self._sample_fn if self.drafting_ready or fwd.draft else self._accept_fn)(*args)
+            self.drafting_ready = self.drafting_ready or bool(fwd.draft)
         else:
             dp = rn.dp_size
             if mask is not None:  # laid out as the all-ones mask: no retrace

@@ -91,13 +91,14 @@ def spec_forward_step(params, drafter, cfg, cache_cfg, cache, spec, last_ids, in
 
 
 def spec_sample_step(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec,
-                     last_ids, slot_R, draft, want_logprobs):
+                     last_ids, slot_R, draft, want_logprobs, drafting: bool = True):
     """Acceptance of one rank's verify rows (lossless), the anchors taken into the slots and, where ``draft``, the
-    drafter's next blocks. Returns (accepted, drafts verified per row, anchors, next confidences, spec, last_ids)."""
+    drafter's next blocks. ``drafting=False`` (static): the *accept-only* program, without the drafter (``draft``
+    is then ignored). Returns (accepted, drafts verified per row, anchors, next confidences, spec, last_ids)."""
     TRACES[0] += 1
     out = spec_ops.accept(logits, layout, rows, sampling, spec, slot_R, num_top, heads.ids, mask, has_mask,
                           want_logprobs)
     spec, last_ids = spec_ops.draft_next(spec, last_ids, drafter, params, cfg, heads, out, layout, rows, sampling,
-                                         slot_R, draft)
+                                         slot_R, draft, drafting)
     conf = spec.conf[jnp.clip(slot_R, 0, spec.conf.shape[0] - 1)]
     return out, layout.counts, layout.anchor, conf, spec, last_ids
