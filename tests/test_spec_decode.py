@@ -335,6 +335,9 @@ def test_auto_defers_the_drafters_program_until_it_is_stored_or_wanted(params, p
     assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
     assert spec.stats.steps_drafting == spec.stats.drafts_verified == 0 and step._draft_wants > 0
     assert step._accept_fn._programs and not step._sample_fn._programs  # the drafter was never compiled
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=i, ignore_eos=True) for i in range(12)]
+    assert _ids(auto.generate(prompts, seeded, use_tqdm=False)) == _ids(plain_llm.generate(prompts, seeded,
+                                                                                            use_tqdm=False))
     step._draft_wants = auto.runner.bucket_use.compile_after - 3  # a long run: a few more wants, then it drafts
     # compiled here rather than answered by the suite's compilation cache, so that the store keeps it
     suite_cache = jax.config.jax_compilation_cache_dir

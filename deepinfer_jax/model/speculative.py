@@ -210,8 +210,11 @@ def _accept_sampled(search, vocab_ids, flat_MV, idx_RJ, produce_R, count_R, draf
 
 
 def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, spec: SpecState, slot_R: jax.Array,
-           num_top: int, vocab_ids: jax.Array, mask_RW=None, has_mask=None, want_logprobs=None) -> Accepted:
-    """Verify every row's drafts against the step's logits (see the module docstring).
+           num_top: int, vocab_ids: jax.Array, mask_RW=None, has_mask=None, want_logprobs=None,
+           verifies: bool = True) -> Accepted:
+    """Verify every row's drafts against the step's logits (see the module docstring). ``verifies=False`` (static):
+    the caller guarantees that no row verifies a draft (every count is 0: the accept-only program, which runs
+    while no draft exists), so only each row's first position is sampled, as ``True`` would.
 
     ``sampling``: the rows' ``SamplingInputs`` (``position`` = output position of a host chunk's
     sampled token; verify rows derive theirs from the anchor). ``vocab_ids`` [Vd]: the draft vocabulary.
@@ -256,7 +259,16 @@ def accept(logits_MV: jax.Array, layout: SpecLayout, rows: SpecRows, sampling, s
         hot = sampling.temperature > 0
         return jnp.where(hot, m_s, m_g), jnp.where(hot, last_s, last_g)
 
-    m, last = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled_rows, greedy_rows)
+    def first_only():  # every count is 0: ``sampled_rows``' plain branch and ``greedy_rows`` at m = 0
+        keys = jax.vmap(row_key)(sampling.seed, sampling.stream, base)
+        picked = sample_tokens(first, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        return jnp.zeros(r, jnp.int32), jnp.where(sampling.temperature > 0, picked, greedy[:, 0])
+
+    if verifies:
+        m, last = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled_rows, greedy_rows)
+    else:
+        m, last = jax.lax.cond(jnp.any(sampling.temperature > 0), first_only,
+                               lambda: (jnp.zeros(r, jnp.int32), greedy[:, 0]))
     padded = jnp.concatenate([drafts, jnp.zeros((r, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j[None, :] < m[:, None], padded, jnp.where(j[None, :] == m[:, None], last[:, None], 0))
 

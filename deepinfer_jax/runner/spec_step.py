@@ -64,8 +64,9 @@ def _spec_sample(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, ma
 
 def _spec_accept(num_top, cfg, ptree, pleaves, dtree, dleaves, heads, logits, mask, has_mask, sampling, layout, rows,
                  spec, last_ids, slot_R, draft, want_logprobs):
-    """``_spec_sample`` without the drafter (``spec_sample_step(drafting=False)``): accept and take the tokens into
-    the slots; ``draft`` is ignored. The program a step runs while drafting is deferred (``SpeculativeStep``)."""
+    """``_spec_sample`` without the drafter and without draft verification (``spec_sample_step(drafting=False)``):
+    sample each row's first position and take the tokens into the slots; ``draft`` is ignored. The program a step
+    runs while drafting is deferred (``SpeculativeStep.defer_drafting``), when no row has drafts to verify."""
     params, drafter = jax.tree_util.tree_unflatten(ptree, pleaves), jax.tree_util.tree_unflatten(dtree, dleaves)
     return spec_sample_step(num_top, cfg, params, drafter, heads, logits, mask, has_mask, sampling, layout, rows, spec,
                             last_ids, slot_R, draft, want_logprobs, drafting=False)
@@ -209,13 +210,13 @@ class SpeculativeStep:
 
     def defer_drafting(self) -> None:
         """Let a lazy engine start without the drafter's program (``speculation="auto"``, one device). The
-        drafting program is the larger part of a speculative bucket's compile (measured on the shipped model:
-        3.4-3.7 s of the sampling program's compile against ~1 s without the drafter), and a short run in a
-        fresh process rarely gets it back. While deferred, every step samples through the *accept-only* program
-        (the same acceptance and slot updates, no drafter: the feature rings keep filling, so drafting can start
-        at any step), and ``can_draft`` answers False until the bucket's drafting program is found in the program
-        store (a warm process: from its first step on) or drafting was wanted ``compile_after`` times (then it
-        compiles, like a tighter bucket in ``BucketUse``)."""
+        drafter and the draft verification are most of a speculative bucket's sampling program (measured on the
+        shipped model: 3.4-3.7 s of XLA compile with them, 0.8 s without), and a short run in a fresh process
+        rarely gets that back. While deferred, every step samples through the *accept-only* program (each row's
+        first position, sampled as the full program does when it verifies nothing, and the slot updates; the
+        feature rings keep filling, so drafting can start at any step), and ``can_draft`` answers False until
+        the bucket's drafting program is found in the program store (a warm process: from its first step on) or
+        drafting was wanted ``compile_after`` times (then it compiles, like a tighter bucket in ``BucketUse``)."""
         if self.runner.mesh is None:
             self.drafting_ready = False
 

@@ -97,7 +97,7 @@ def spec_sample_step(num_top, cfg, params, drafter, heads, logits, mask, has_mas
     is then ignored). Returns (accepted, drafts verified per row, anchors, next confidences, spec, last_ids)."""
     TRACES[0] += 1
     out = spec_ops.accept(logits, layout, rows, sampling, spec, slot_R, num_top, heads.ids, mask, has_mask,
-                          want_logprobs)
+                          want_logprobs, verifies=drafting)  # no drafter, no drafts: nothing to verify
     spec, last_ids = spec_ops.draft_next(spec, last_ids, drafter, params, cfg, heads, out, layout, rows, sampling,
                                          slot_R, draft, drafting)
     conf = spec.conf[jnp.clip(slot_R, 0, spec.conf.shape[0] - 1)]
