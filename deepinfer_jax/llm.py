@@ -552,6 +552,9 @@ class LLM:
                 "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
                 "speculation": self.speculation,
                 **(self.engine.spec.summary() if getattr(self.engine, "spec", None) is not None else {}),
+                # False while a lazy "auto" engine defers the drafter's program (docs/speculative.md)
+                **({"spec_drafter_ready": self.runner.speculation.drafting_ready}
+                   if self.runner.speculation is not None else {}),
                 **(self._dp_stats() if self.mesh is not None and not self.sharding_preset.context_parallel else {}),
                 "prefix": self._prefix_stats()}
 

@@ -334,6 +334,7 @@ def test_auto_defers_the_drafters_program_until_it_is_stored_or_wanted(params, p
     spec.policy.plain_times = None  # draft whatever the step times say (as in the test below)
     assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
     assert spec.stats.steps_drafting == spec.stats.drafts_verified == 0 and step._draft_wants > 0
+    assert auto.stats["spec_drafter_ready"] is False and spec_llm.stats["spec_drafter_ready"] is True
     assert step._accept_fn._programs and not step._sample_fn._programs  # the drafter was never compiled
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=i, ignore_eos=True) for i in range(12)]
     assert _ids(auto.generate(prompts, seeded, use_tqdm=False)) == _ids(plain_llm.generate(prompts, seeded,
@@ -346,7 +347,7 @@ def test_auto_defers_the_drafters_program_until_it_is_stored_or_wanted(params, p
         assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
     finally:
         compile_cache.enable(suite_cache)
-    assert step.drafting_ready and step._sample_fn._programs
+    assert step.drafting_ready and step._sample_fn._programs and auto.stats["spec_drafter_ready"]
     assert spec.stats.steps_drafting > 0 and spec.stats.drafts_accepted > 0
 
     # a later process, as far as the drafting program goes: not in memory, deferred again, but in the store
