@@ -303,11 +303,11 @@ def test_program_log_prefetches_what_the_configuration_used_last_and_survives_a_
     [stored] = [f for f in (tmp_path / "xla-programs").iterdir() if f.suffix == ".bin"]
     log = ProgramLog("engine A")  # a new process with the same configuration
     assert log.entries() == [[stored.name, jax.devices()[0].id]]
-    assert ProgramLog("engine B").prefetch() == 0 and not program_store._prefetched  # another configuration
+    assert ProgramLog("engine B").prefetch() == 0 and stored not in program_store._prefetched  # another one
     assert log.prefetch() == 1 and stored in program_store._prefetched
     assert log.prefetch() == 0  # already loading
     second = make(log)(x)  # takes the prefetched program: nothing traced, nothing left pending
-    assert len(traced) == 1 and len(loaded) == 1 and not program_store._prefetched
+    assert len(traced) == 1 and len(loaded) == 1 and stored not in program_store._prefetched
     assert np.array_equal(np.asarray(first), np.asarray(second))
 
     manifest = log.path()
@@ -318,6 +318,13 @@ def test_program_log_prefetches_what_the_configuration_used_last_and_survives_a_
     assert json.loads(manifest.read_text()) == [[stored.name, jax.devices()[0].id]]
     manifest.write_text(json.dumps([["toy-gone.bin", 0], [stored.name, 12345]]))  # a deleted file, a foreign device
     assert ProgramLog("engine A").prefetch() == 0
+    monkeypatch.setattr(program_store, "_prefetched", type(program_store._prefetched)())
+    for i in range(program_store._PREFETCH_KEPT + 3):  # loads nobody takes are dropped, oldest first
+        twin = tmp_path / "xla-programs" / f"toy-twin{i}.bin"
+        twin.write_bytes(stored.read_bytes())
+        manifest.write_text(json.dumps([[twin.name, jax.devices()[0].id]]))
+        assert ProgramLog("engine A").prefetch() == 1
+    assert len(program_store._prefetched) == program_store._PREFETCH_KEPT and twin in program_store._prefetched
     monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "off")
     assert ProgramLog("engine A").path() is None and ProgramLog("engine A").prefetch() == 0
 

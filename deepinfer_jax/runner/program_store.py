@@ -38,6 +38,7 @@ one (a program is still looked up by its full key).
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -160,8 +161,10 @@ def _count_cache_hit(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hit)
 
 
-#: Background loads ``ProgramLog.prefetch`` started: file path -> Future of ``_load``'s result.
-_prefetched: dict[Path, Future] = {}
+#: Background loads ``ProgramLog.prefetch`` started and not yet taken: file path -> Future of ``_load``'s result,
+#: oldest first; at most ``_PREFETCH_KEPT`` (an engine that never runs what it prefetched does not pile them up).
+_prefetched: collections.OrderedDict[Path, Future] = collections.OrderedDict()
+_PREFETCH_KEPT = 8
 _prefetch_lock = threading.Lock()
 _loader: list[ThreadPoolExecutor] = []
 
@@ -222,6 +225,8 @@ class ProgramLog:
                 if not _loader:
                     _loader.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-prefetch"))
                 _prefetched[file] = _loader[0].submit(_load, file, devices[device_id])
+                while len(_prefetched) > _PREFETCH_KEPT:
+                    _prefetched.popitem(last=False)
             started += 1
         return started
 
