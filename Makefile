@@ -7,7 +7,8 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # port installed with --no-deps because its pins conflict with ours.
 ORACLE := torch==2.13.0 "transformers>=5.18,<6" pillow
 NEMO := nemo-automodel==0.7.0
-# pytest-xdist processes for `make test`; each test file runs whole in one of them (module fixtures compile once).
+# pytest-xdist processes for `make test`; each test file runs whole in one of them (module fixtures compile once),
+# longest files first (tests/conftest.py orders the collection; xdist keeps that order with --no-loadscope-reorder).
 TEST_WORKERS ?= 2
 
 .PHONY: demo test bench checkpoint train clean kernels cluster-demo
@@ -29,7 +30,7 @@ cluster-demo: $(VENV)/.test
 	$(PY) examples/cluster_demo.py
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/startup.py
