@@ -313,10 +313,9 @@ class SpeculativeStep:
             args = (rn.num_top_logprobs, rn.cfg, rn._ptree, rn._pleaves, self._dtree, self._dleaves, self.heads,
                     fwd.logits, dev_mask, has, fwd.sampling, fwd.layout, fwd.spec_rows, self.state, rn.last_ids,
                     fwd.slot, np.bool_(fwd.draft), np.bool_(fwd.logprobs))
-            if not (self.drafting_ready or fwd.draft) and self._sample_fn.available(*args):
-                self.drafting_ready = True  # a warm process: the drafting program is in the store
-            outs = (self._sample_fn if self.drafting_ready or fwd.draft else self._accept_fn)(*args)
-            self.drafting_ready = self.drafting_ready or bool(fwd.draft)
+            if not self.drafting_ready:  # asked to draft, or a warm process: the drafting program is stored
+                self.drafting_ready = bool(fwd.draft) or self._sample_fn.available(*args)
+            outs = (self._sample_fn if self.drafting_ready else self._accept_fn)(*args)
         else:
             dp = rn.dp_size
             if mask is not None:  # laid out as the all-ones mask: no retrace
