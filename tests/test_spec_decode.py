@@ -9,6 +9,7 @@ length. The shipped (trained) drafter is checked in ``test_spec_shipped.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -21,7 +22,7 @@ from test_spec_engine import select_counts_np
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.config import CacheConfig, EngineConfig
-from deepinfer_jax.engine.spec_policy import FixedPolicy
+from deepinfer_jax.engine.spec_policy import FixedPolicy, StepTimes
 from deepinfer_jax.model import speculative as S
 from deepinfer_jax.model.dspark import init_drafter_params
 from deepinfer_jax.model.sampler import SamplingInputs
@@ -311,6 +312,22 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@contextlib.contextmanager
+def _plain_priced_out(spec):
+    """Draft whatever the step times say: plain steps (and plain search steps) priced out of reach, so that the
+    cost decision to stop drafting, which follows this machine's measured step times and its load, cannot
+    make a test that is about losslessness or programs verify nothing. (The speculator hands its own tables to
+    the policy at every step, so it is ``spec``'s tables that must change, not the policy's.)"""
+    saved = spec.plain_times, spec.search_times
+    slow = lambda: StepTimes(spec.times.buckets, [1e15] * len(spec.times.buckets))
+    spec.plain_times = slow()
+    spec.search_times = None if saved[1] is None else (saved[1][0], slow())
+    try:
+        yield
+    finally:
+        spec.plain_times, spec.search_times = saved
+
+
 def test_speculation_is_on_with_a_drafter_and_off_without(spec_llm, plain_llm):
     assert spec_llm.speculation == "dspark" and spec_llm.stats["speculation"] == "dspark"
     assert plain_llm.speculation == "none"
@@ -331,32 +348,32 @@ def test_auto_defers_the_drafters_program_until_it_is_stored_or_wanted(params, p
     auto = LLM(config=CFG, params=params, drafter=spec_llm.drafter, **SETTINGS)
     step, spec = auto.runner.speculation, auto.engine.spec
     assert auto.speculation == "dspark" and not step.drafting_ready
-    spec.policy.plain_times = None  # draft whatever the step times say (as in the test below)
-    assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
-    assert spec.stats.steps_drafting == spec.stats.drafts_verified == 0 and step._draft_wants > 0
-    assert auto.stats["spec_drafter_ready"] is False and spec_llm.stats["spec_drafter_ready"] is True
-    assert step._accept_fn._programs and not step._sample_fn._programs  # the drafter was never compiled
-    seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=i, ignore_eos=True) for i in range(12)]
-    assert _ids(auto.generate(prompts, seeded, use_tqdm=False)) == _ids(plain_llm.generate(prompts, seeded,
-                                                                                            use_tqdm=False))
-    step._draft_wants = auto.runner.bucket_use.compile_after - 3  # a long run: a few more wants, then it drafts
-    # compiled here rather than answered by the suite's compilation cache, so that the store keeps it
-    suite_cache = jax.config.jax_compilation_cache_dir
-    compile_cache.enable(str(tmp_path / "fresh"))
-    try:
+    with _plain_priced_out(spec):  # draft whatever the step times say (as in the test below)
         assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
-    finally:
-        compile_cache.enable(suite_cache)
-    assert step.drafting_ready and step._sample_fn._programs and auto.stats["spec_drafter_ready"]
-    assert spec.stats.steps_drafting > 0 and spec.stats.drafts_accepted > 0
+        assert spec.stats.steps_drafting == spec.stats.drafts_verified == 0 and step._draft_wants > 0
+        assert auto.stats["spec_drafter_ready"] is False and spec_llm.stats["spec_drafter_ready"] is True
+        assert step._accept_fn._programs and not step._sample_fn._programs  # the drafter was never compiled
+        seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=i, ignore_eos=True) for i in range(12)]
+        assert _ids(auto.generate(prompts, seeded, use_tqdm=False)) == _ids(plain_llm.generate(prompts, seeded,
+                                                                                                use_tqdm=False))
+        step._draft_wants = auto.runner.bucket_use.compile_after - 3  # a long run: a few more wants, then it drafts
+        # compiled here rather than answered by the suite's compilation cache, so that the store keeps it
+        suite_cache = jax.config.jax_compilation_cache_dir
+        compile_cache.enable(str(tmp_path / "fresh"))
+        try:
+            assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
+        finally:
+            compile_cache.enable(suite_cache)
+        assert step.drafting_ready and step._sample_fn._programs and auto.stats["spec_drafter_ready"]
+        assert spec.stats.steps_drafting > 0 and spec.stats.drafts_accepted > 0
 
-    # a later process, as far as the drafting program goes: not in memory, deferred again, but in the store
-    step._sample_fn._programs.clear()
-    step._sample_fn._absent.clear()
-    step.drafting_ready, step._draft_wants, accepted = False, 0, spec.stats.drafts_accepted
-    assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
-    assert step.drafting_ready and step._draft_wants <= 1 and step._sample_fn._programs  # loaded at the first step
-    assert spec.stats.drafts_accepted > accepted
+        # a later process, as far as the drafting program goes: not in memory, deferred again, but in the store
+        step._sample_fn._programs.clear()
+        step._sample_fn._absent.clear()
+        step.drafting_ready, step._draft_wants, accepted = False, 0, spec.stats.drafts_accepted
+        assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
+        assert step.drafting_ready and step._draft_wants <= 1 and step._sample_fn._programs  # loaded at the first step
+        assert spec.stats.drafts_accepted > accepted
 
 
 @pytest.mark.parametrize("policy", ["fixed1", "fixed5", "dspark"])
@@ -368,20 +385,17 @@ def test_greedy_outputs_equal_decoding_without_speculation(spec_llm, plain_llm, 
     want = _ids(plain_llm.generate(prompts, sp, use_tqdm=False))
     engine = spec_llm.engine
     saved = engine.spec.policy, engine.async_scheduling
-    plain_times = getattr(saved[0], "plain_times", None)
     try:
         if policy.startswith("fixed"):
             engine.spec.policy = FixedPolicy(int(policy[5:]))
-        else:  # draft whatever the step times say: stopping is a cost decision, losslessness is the point here
-            engine.spec.policy.plain_times = None
         engine.async_scheduling = async_scheduling
         before = engine.spec.stats.drafts_accepted
-        got = _ids(spec_llm.generate(prompts, sp, use_tqdm=False))
+        # dspark: draft whatever the step times say; stopping is a cost decision, losslessness is the point here
+        with _plain_priced_out(engine.spec):
+            got = _ids(spec_llm.generate(prompts, sp, use_tqdm=False))
         accepted = engine.spec.stats.drafts_accepted - before
     finally:
         engine.spec.policy, engine.async_scheduling = saved
-        if hasattr(saved[0], "plain_times"):
-            saved[0].plain_times = plain_times
     assert got == want
     assert accepted > 0
 
