@@ -9,10 +9,6 @@ import pytest
 # Persistent XLA compilation cache: the model's jitted forward compiles once per machine.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# XLA:CPU's LLVM optimisation level 1 (XLA's default is 2) for the whole test process, read when the backend starts:
-# on the shipped model's step programs it compiles ~20% faster and runs ~10% faster (docs/benchmarks.md).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
 
 #: Seconds of test time per file in a fresh-clone run (2026-12-04, 2 workers), for the files over ~30 s. ``make test``
 #: hands pytest-xdist whole files (``--dist loadfile --no-loadscope-reorder``) in collection order, so they are
