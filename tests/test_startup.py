@@ -40,6 +40,30 @@ def test_bad_start_up_settings_name_the_field(field, value):
         EngineConfig(**{field: value})
 
 
+def test_engine_programs_compile_at_the_cpu_level_unless_xla_flags_or_the_variable_say_otherwise(monkeypatch):
+    from deepinfer_jax import compile_options as co
+
+    level = lambda n: {"xla_backend_optimization_level": n}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.delenv(co.ENV, raising=False)
+    assert co.compiler_options() == level(co.DEFAULT_CPU_LEVEL) == level(1)
+    assert co.compiler_options("gpu") is None  # other backends keep XLA's defaults
+    f = co.jit(lambda x: x * 2)
+    assert f.lower(jnp.ones(3))._lowering._compiler_options_kvs == (("xla_backend_optimization_level", 1),)
+    monkeypatch.setenv(co.ENV, " 3 ")
+    assert co.compiler_options() == level(3)
+    monkeypatch.setenv(co.ENV, "default")
+    assert co.compiler_options() is None
+    assert co.jit(lambda x: x * 2).lower(jnp.ones(3))._lowering._compiler_options_kvs == ()
+    monkeypatch.setenv(co.ENV, "0")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")  # the user's own flag wins
+    assert co.compiler_options() is None
+    for bad in ("fast", "4", "-1"):
+        monkeypatch.setenv(co.ENV, bad)
+        with pytest.raises(ValueError, match=co.ENV):
+            co.compiler_options()
+
+
 _CHILD = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np

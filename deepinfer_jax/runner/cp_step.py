@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from deepinfer_jax import compile_options
 from deepinfer_jax.parallel.context_parallel import cp_inputs, cp_prefill, tail_rows_for
 from deepinfer_jax.parallel.cp_layout import cp_align, cp_layout
 from deepinfer_jax.runner.buckets import Buckets
@@ -53,8 +54,8 @@ class ContextParallelStep:
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._shard = NamedSharding(mesh, PartitionSpec("cp"))
         self._params = jax.device_put(params, self._repl)
-        self._fn = jax.jit(cp_prefill, static_argnums=(1, 2), static_argnames=("mesh", "axis", "comm_log"),
-                           donate_argnums=(3,))
+        self._fn = compile_options.jit(cp_prefill, static_argnums=(1, 2), static_argnames=("mesh", "axis", "comm_log"),
+                                       donate_argnums=(3,))
         self.align, self.pad_to = cp_align(runner.cfg), pad_to
         self.tail_rows = tail_rows_for(runner.cfg, runner.cache_cfg)
         self.steps = 0  # CP chunks run so far

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from deepinfer_jax import compile_options
 from deepinfer_jax import sharding as sh
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.moe_strategy import MoEStrategy
@@ -112,7 +113,8 @@ def programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple
     param_sh = jax.tree_util.tree_unflatten(param_treedef, [NamedSharding(mesh, s) for s in param_specs])
     if ep_spec is None:
         step = per_rank(functools.partial(dp_forward, cfg, cache_cfg), mesh, manual)
-        forward = jax.jit(step, donate_argnums=(1,), in_shardings=(param_sh, dp, dp, dp, dp), out_shardings=(dp, dp))
+        forward = compile_options.jit(step, donate_argnums=(1,), in_shardings=(param_sh, dp, dp, dp, dp),
+                                      out_shardings=(dp, dp))
     else:
         dps, repl = PartitionSpec(dp_axes or None), PartitionSpec()
         moe = MoEStrategy("ep", ep_spec)
@@ -121,9 +123,10 @@ def programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: tuple
                                        dps),
                              out_specs=(dps, dps, repl), axis_names=set(manual), check_vma=False)
         replicated = NamedSharding(mesh, repl)
-        forward = jax.jit(step, donate_argnums=(2,), in_shardings=(param_sh, replicated, dp, dp, dp, dp),
-                          out_shardings=(dp, dp, replicated))
-    sample = jax.jit(dp_sample, static_argnums=(0,), out_shardings=(NamedSharding(mesh, PartitionSpec()), dp))
+        forward = compile_options.jit(step, donate_argnums=(2,), in_shardings=(param_sh, replicated, dp, dp, dp, dp),
+                                      out_shardings=(dp, dp, replicated))
+    sample = compile_options.jit(dp_sample, static_argnums=(0,),
+                                 out_shardings=(NamedSharding(mesh, PartitionSpec()), dp))
     return forward, sample  # the sampled tokens come back replicated: every process reads them locally
 
 
@@ -174,16 +177,17 @@ def spec_programs(cfg, cache_cfg, mesh: Mesh, dp_axes: tuple[str, ...], manual: 
             mp = PartitionSpec(manual)
             step = jax.shard_map(step, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), mp, mp, mp, mp, mp),
                                  out_specs=(mp,) * 5, axis_names=set(manual), check_vma=False)
-        forward = jax.jit(step, donate_argnums=(2, 3), in_shardings=(param_sh, repl, dp, dp, dp, dp, dp),
-                          out_shardings=(dp,) * 5)
+        forward = compile_options.jit(step, donate_argnums=(2, 3), in_shardings=(param_sh, repl, dp, dp, dp, dp, dp),
+                                      out_shardings=(dp,) * 5)
     else:
         moe = MoEStrategy("ep", ep_spec)
         step = jax.shard_map(functools.partial(dp_spec_forward_ep, cfg, cache_cfg, moe), mesh=mesh,
                              in_specs=(jax.tree_util.tree_unflatten(param_treedef, param_specs), PartitionSpec(),
                                        PartitionSpec(), dps, dps, dps, dps, dps),
                              out_specs=(dps,) * 5 + (PartitionSpec(),), axis_names=set(manual), check_vma=False)
-        forward = jax.jit(step, donate_argnums=(3, 4), in_shardings=(param_sh, repl, repl, dp, dp, dp, dp, dp),
-                          out_shardings=(dp,) * 5 + (repl,))
-    sample = jax.jit(dp_spec_sample, static_argnums=(0, 1), donate_argnums=(11, 12),
-                     out_shardings=(repl, repl, repl, repl, dp, dp))
+        forward = compile_options.jit(step, donate_argnums=(3, 4),
+                                      in_shardings=(param_sh, repl, repl, dp, dp, dp, dp, dp),
+                                      out_shardings=(dp,) * 5 + (repl,))
+    sample = compile_options.jit(dp_spec_sample, static_argnums=(0, 1), donate_argnums=(11, 12),
+                                 out_shardings=(repl, repl, repl, repl, dp, dp))
     return forward, sample

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax import compile_options
 from deepinfer_jax.model.host_arrays import filled
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs
@@ -317,13 +318,13 @@ class ModelRunner:
         self._fn = stored_jit(logits_step_flat, "step", (0, 2, 3), (4,), on_build=count_trace, log=log)
         self._forward_fn = stored_jit(forward_step_flat, "forward", (0, 2, 3), (4,), on_build=count_trace, log=log)
         self._sample_fn = stored_jit(sample_rows, "sample", (0,), on_build=count_trace, log=log)
-        self._snapshot_fn = jax.jit(_snapshot)
-        self._restore_fn = jax.jit(_restore, donate_argnums=(0,))
-        self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,))
-        self._read_blocks_fn = jax.jit(_read_blocks)
-        self._slot_state_fn = jax.jit(_slot_state)
-        self._set_slot_state_fn = jax.jit(_set_slot_state, donate_argnums=(0,))
-        self._write_blocks_fn = jax.jit(_write_blocks, donate_argnums=(0,))
+        self._snapshot_fn = compile_options.jit(_snapshot)
+        self._restore_fn = compile_options.jit(_restore, donate_argnums=(0,))
+        self._set_engram_fn = compile_options.jit(_set_engram, donate_argnums=(0,))
+        self._read_blocks_fn = compile_options.jit(_read_blocks)
+        self._slot_state_fn = compile_options.jit(_slot_state)
+        self._set_slot_state_fn = compile_options.jit(_set_slot_state, donate_argnums=(0,))
+        self._write_blocks_fn = compile_options.jit(_write_blocks, donate_argnums=(0,))
         flat, self._global_def = jax.tree_util.tree_flatten_with_path(self.cache["global"])
         self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
 
@@ -350,10 +351,10 @@ class ModelRunner:
             params = weight_moves.physical_params(params, self.placement)
         param_sh = sh.param_shardings(params, mesh, preset)
         self.params = sh.shard_params(params, mesh, preset)
-        self.cache = jax.jit(functools.partial(mesh_step.stacked_cache, cfg, cache_cfg, self.dp_size),
-                             out_shardings=dp)()
-        self.last_ids = jax.jit(lambda: jnp.zeros((self.dp_size, cache_cfg.max_requests), jnp.int32),
-                                out_shardings=dp)()
+        self.cache = compile_options.jit(functools.partial(mesh_step.stacked_cache, cfg, cache_cfg, self.dp_size),
+                                         out_shardings=dp)()
+        self.last_ids = compile_options.jit(lambda: jnp.zeros((self.dp_size, cache_cfg.max_requests), jnp.int32),
+                                            out_shardings=dp)()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         if self.placement is None:
             self.manual_axes = mesh_step.manual_axes(preset, param_sh)
@@ -362,14 +363,14 @@ class ModelRunner:
             self.tables = self._device_tables(self.placement)
         # the prefix cache's copies into and out of one rank's slice of the stacked cache (``at=(rank,)``):
         # what they read comes back replicated (every process reads it), the cache keeps its layout
-        self._snapshot_fn = jax.jit(_rank_snapshot, out_shardings=self._replicated)
-        self._read_blocks_fn = jax.jit(_read_blocks, out_shardings=self._replicated)
-        self._restore_fn = jax.jit(_restore, donate_argnums=(0,), out_shardings=dp)
-        self._set_engram_fn = jax.jit(_set_engram, donate_argnums=(0,), out_shardings=dp)
-        self._write_blocks_fn = jax.jit(_write_blocks, donate_argnums=(0,), out_shardings=dp)
-        self._slot_state_fn = jax.jit(functools.partial(_one_rank_slot_state, mesh, tuple(preset.dp_axes)),
-                                      out_shardings=self._replicated)
-        self._set_slot_state_fn = jax.jit(_set_slot_state, donate_argnums=(0,), out_shardings=dp)
+        self._snapshot_fn = compile_options.jit(_rank_snapshot, out_shardings=self._replicated)
+        self._read_blocks_fn = compile_options.jit(_read_blocks, out_shardings=self._replicated)
+        self._restore_fn = compile_options.jit(_restore, donate_argnums=(0,), out_shardings=dp)
+        self._set_engram_fn = compile_options.jit(_set_engram, donate_argnums=(0,), out_shardings=dp)
+        self._write_blocks_fn = compile_options.jit(_write_blocks, donate_argnums=(0,), out_shardings=dp)
+        self._slot_state_fn = compile_options.jit(functools.partial(_one_rank_slot_state, mesh, tuple(preset.dp_axes)),
+                                                  out_shardings=self._replicated)
+        self._set_slot_state_fn = compile_options.jit(_set_slot_state, donate_argnums=(0,), out_shardings=dp)
         one_rank = jax.eval_shape(lambda c: jax.tree.map(lambda a: a[0], c["global"]), self.cache)
         flat, self._global_def = jax.tree_util.tree_flatten_with_path(one_rank)
         self._global_names = [jax.tree_util.keystr(path) for path, _ in flat]
@@ -689,7 +690,7 @@ class ModelRunner:
     def _all_ones(self, shape) -> jax.Array:
         if self.mesh is None:
             return filled(shape, jnp.int32, -1)
-        return jax.jit(lambda: jnp.full(shape, -1, jnp.int32), out_shardings=self._replicated)()
+        return compile_options.jit(lambda: jnp.full(shape, -1, jnp.int32), out_shardings=self._replicated)()
 
     def _global(self, host, sharding, always: bool = False):
         """Host inputs as global arrays when several processes run the mesh (each passes the same)."""

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import jax
 
-from deepinfer_jax import compile_cache
+from deepinfer_jax import compile_cache, compile_options
 
 __all__ = ["ENV", "ProgramLog", "StoredJit", "stored_jit"]
 
@@ -258,7 +258,7 @@ class StoredJit:
         self.donate = tuple(sorted(donate_argnums))
         self.on_build = on_build
         self.log = log
-        self._plain = jax.jit(fn, static_argnums=self.static, donate_argnums=self.donate)
+        self._plain = compile_options.jit(fn, static_argnums=self.static, donate_argnums=self.donate)
         self._programs: dict[tuple, tuple[Callable, object]] = {}
         self._absent: set[tuple] = set()  # keys ``available`` found neither in memory nor in the store
 
@@ -349,7 +349,7 @@ class StoredJit:
             box.append(out_tree)
             return out_leaves
 
-        compiled = jax.jit(flat, donate_argnums=self._donated_leaves(args)).lower(*leaves).compile()
+        compiled = compile_options.jit(flat, donate_argnums=self._donated_leaves(args)).lower(*leaves).compile()
         return compiled, box[0]
 
 

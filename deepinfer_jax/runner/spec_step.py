@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax import compile_options
 from deepinfer_jax.model import dspark
 from deepinfer_jax.model import speculative as spec_ops
 from deepinfer_jax.model.host_arrays import filled
@@ -182,7 +183,7 @@ class SpeculativeStep:
         self.drafter, self.heads = sh.place((self.drafter, self.heads), rn._replicated)
         stack = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (dp, *a.shape)),
                                      spec_ops.init_spec_state(cfg, slots, ring, vd))
-        self.state = jax.jit(stack, out_shardings=rn._dp)()
+        self.state = compile_options.jit(stack, out_shardings=rn._dp)()
         leaves, treedef = jax.tree_util.tree_flatten(rn.params)
         self._forward_fn, self._sample_fn = mesh_step.spec_programs(
             cfg, rn.cache_cfg, rn.mesh, rn.preset.dp_axes, rn.manual_axes, rn.ep_spec,
@@ -335,7 +336,8 @@ class SpeculativeStep:
         if rn.mesh is None:
             return filled(shape, jnp.int32, -1)
         dp = rn.dp_size  # laid out per rank, as a given mask is
-        return jax.jit(lambda: jnp.full((dp, shape[0] // dp, shape[1]), -1, jnp.int32), out_shardings=rn._dp)()
+        return compile_options.jit(lambda: jnp.full((dp, shape[0] // dp, shape[1]), -1, jnp.int32),
+                                   out_shardings=rn._dp)()
 
     def _dispatch(self, chunks_by_rank, budgets, drafts, n: int, r: int, b: int, d: int | None = None,
                   verify: bool = True) -> SpecForward:
