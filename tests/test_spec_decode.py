@@ -9,7 +9,6 @@ length. The shipped (trained) drafter is checked in ``test_spec_shipped.py``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -18,11 +17,11 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 from test_paged_step import CFG, robust_params
-from test_spec_engine import select_counts_np
+from test_spec_engine import plain_priced_out, select_counts_np
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.config import CacheConfig, EngineConfig
-from deepinfer_jax.engine.spec_policy import FixedPolicy, StepTimes
+from deepinfer_jax.engine.spec_policy import FixedPolicy
 from deepinfer_jax.model import speculative as S
 from deepinfer_jax.model.dspark import init_drafter_params
 from deepinfer_jax.model.sampler import SamplingInputs
@@ -312,22 +311,6 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@contextlib.contextmanager
-def _plain_priced_out(spec):
-    """Draft whatever the step times say: plain steps (and plain search steps) priced out of reach, so that the
-    cost decision to stop drafting, which follows this machine's measured step times and its load, cannot
-    make a test that is about losslessness or programs verify nothing. (The speculator hands its own tables to
-    the policy at every step, so it is ``spec``'s tables that must change, not the policy's.)"""
-    saved = spec.plain_times, spec.search_times
-    slow = lambda: StepTimes(spec.times.buckets, [1e15] * len(spec.times.buckets))
-    spec.plain_times = slow()
-    spec.search_times = None if saved[1] is None else (saved[1][0], slow())
-    try:
-        yield
-    finally:
-        spec.plain_times, spec.search_times = saved
-
-
 def test_speculation_is_on_with_a_drafter_and_off_without(spec_llm, plain_llm):
     assert spec_llm.speculation == "dspark" and spec_llm.stats["speculation"] == "dspark"
     assert plain_llm.speculation == "none"
@@ -348,7 +331,7 @@ def test_auto_defers_the_drafters_program_until_it_is_stored_or_wanted(params, p
     auto = LLM(config=CFG, params=params, drafter=spec_llm.drafter, **SETTINGS)
     step, spec = auto.runner.speculation, auto.engine.spec
     assert auto.speculation == "dspark" and not step.drafting_ready
-    with _plain_priced_out(spec):  # draft whatever the step times say (as in the test below)
+    with plain_priced_out(spec):  # draft whatever the step times say (as in the test below)
         assert _ids(auto.generate(prompts, sp, use_tqdm=False)) == want
         assert spec.stats.steps_drafting == spec.stats.drafts_verified == 0 and step._draft_wants > 0
         assert auto.stats["spec_drafter_ready"] is False and spec_llm.stats["spec_drafter_ready"] is True
@@ -391,7 +374,7 @@ def test_greedy_outputs_equal_decoding_without_speculation(spec_llm, plain_llm, 
         engine.async_scheduling = async_scheduling
         before = engine.spec.stats.drafts_accepted
         # dspark: draft whatever the step times say; stopping is a cost decision, losslessness is the point here
-        with _plain_priced_out(engine.spec):
+        with plain_priced_out(engine.spec):
             got = _ids(spec_llm.generate(prompts, sp, use_tqdm=False))
         accepted = engine.spec.stats.drafts_accepted - before
     finally:

@@ -10,6 +10,7 @@ token, a stale length, a wrong stop) changes the outputs, which must equal the p
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -29,6 +30,23 @@ from deepinfer_jax.engine.spec_policy import (
     solve_budget,
 )
 from deepinfer_jax.runner import Buckets, StepOutput
+
+
+@contextlib.contextmanager
+def plain_priced_out(spec):
+    """Draft whatever the step times say: plain steps (and plain search steps) priced out of reach, so that the
+    cost decision to stop drafting, which follows this machine's measured step times and its load, cannot
+    make a test that is about losslessness or programs verify nothing. (The speculator hands its own tables to
+    the policy at every step, so it is ``spec``'s tables that must change, not the policy's.)"""
+    saved = spec.plain_times, spec.search_times
+    slow = lambda: StepTimes(spec.times.buckets, [1e15] * len(spec.times.buckets))
+    spec.plain_times = slow()
+    spec.search_times = None if saved[1] is None else (saved[1][0], slow())
+    try:
+        yield
+    finally:
+        spec.plain_times, spec.search_times = saved
+
 
 K = 5
 

@@ -4,11 +4,11 @@ lossless against the plain engine on real prompts, and the drafter really gets d
 from __future__ import annotations
 
 import pytest
+from test_spec_engine import plain_priced_out
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.checkpoint.draft_vocab import load_draft_vocab
 from deepinfer_jax.config import EngineConfig
-from deepinfer_jax.engine.spec_policy import StepTimes
 from deepinfer_jax.llm import DEFAULT_CHECKPOINT
 
 # the engine shape of tests/test_chat.py and tests/test_structured_model.py (compiled programs are shared)
@@ -72,17 +72,14 @@ def test_greedy_only_speculation_leaves_sampled_requests_to_plain_decoding(spec_
     """With ``sampled_drafts=False`` (what "auto" uses where it speculates) a sampled request verifies no
     drafts: its seeded tokens are those of the plain engine; a greedy one beside it still speculates."""
     spec = spec_llm.engine.spec
-    saved = spec.plain_times, spec.search_times
     # plain steps priced out of reach: the greedy row drafts whatever this machine's profiled (and disk-cached)
     # step times say, so what is tested is which rows verify drafts, not the budget's timing decision
-    slow = lambda: StepTimes(spec.times.buckets, [1e15] * len(spec.times.buckets))
-    spec.sampled_drafts, spec.plain_times = False, slow()
-    spec.search_times = None if saved[1] is None else (saved[1][0], slow())
+    spec.sampled_drafts = False
     try:
-        _greedy_only(spec_llm, plain_llm)
+        with plain_priced_out(spec):
+            _greedy_only(spec_llm, plain_llm)
     finally:
         spec.sampled_drafts = True
-        spec.plain_times, spec.search_times = saved
 
 
 def _greedy_only(spec_llm, plain_llm):
