@@ -227,9 +227,15 @@ def _torch(a: np.ndarray, dtype):
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("shape", [(96, 160), (100, 70), (33, 31)])
-def test_fp8_dense_matches_nemo(shape):
+def test_fp8_dense_matches_nemo(shape, chunk, monkeypatch):
+    """``chunk``: decode in chunks of ~64 elements (several chunks per matrix, a partial row block at the end),
+    as large weights are decoded."""
     import torch
+
+    if chunk is not None:
+        monkeypatch.setattr(Q, "_CHUNK_ELEMENTS", chunk)
     from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import dequantize_checkpoint_weight
 
     rng = np.random.default_rng(1)

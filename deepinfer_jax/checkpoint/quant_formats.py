@@ -28,6 +28,9 @@ import numpy as np
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E4M3_MAX = 448.0
+#: The float32 value of every E4M3 byte (NaN codes included): decoding by table lookup gives the same
+#: bits as ``astype(np.float32)`` in about half the time.
+_E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
 E2M1_MAX = 6.0
 
 # E2M1 code -> value; bit 3 is the sign, bits 0-2 index the magnitude grid.
@@ -180,15 +183,19 @@ def _apply_scales(
 ) -> np.ndarray:
     """Fill ``out[r, c] = decode_rows(r0, r1)[r - r0, c] * scale[r // br, c // bc]`` in chunks."""
     br, bc = block
-    scale_f = scale_to_float32(scale)
+    # one scale per column for every row block: [ceil(rows / br), cols], small next to the weight
+    col_scale = np.repeat(scale_to_float32(scale), bc, axis=1)[:, :cols]
     out = np.empty((rows, cols), dtype=dtype)
-    col_ids = np.arange(cols) // bc
     step = max(br, (_CHUNK_ELEMENTS // max(cols, 1)) // br * br)
-    for r0 in range(0, rows, step):
+    for r0 in range(0, rows, step):  # r0 is a multiple of br: the chunk's rows start a row block
         r1 = min(rows, r0 + step)
-        row_ids = np.arange(r0, r1) // br
         values = decode_rows(r0, r1)
-        values *= scale_f[row_ids[:, None], col_ids[None, :]]
+        full = (r1 - r0) // br * br  # rows in whole blocks; a last partial block only at the matrix's end
+        if full:
+            blocks = values[:full].reshape(full // br, br, cols)
+            blocks *= col_scale[r0 // br : (r0 + full) // br, None, :]
+        if full < r1 - r0:
+            values[full:] *= col_scale[(r0 + full) // br]
         out[r0:r1] = values
     return out
 
