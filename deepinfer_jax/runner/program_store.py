@@ -39,6 +39,7 @@ one (a program is still looked up by its full key).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import json
@@ -349,8 +350,22 @@ class StoredJit:
             box.append(out_tree)
             return out_leaves
 
-        compiled = compile_options.jit(flat, donate_argnums=self._donated_leaves(args)).lower(*leaves).compile()
+        with _compilation_cache_off():
+            compiled = compile_options.jit(flat, donate_argnums=self._donated_leaves(args)).lower(*leaves).compile()
         return compiled, box[0]
+
+
+def _compilation_cache_off():
+    """For this thread only, the persistent compilation cache neither answers nor keeps a compile.
+
+    A program the store lacks but the compilation cache holds (the same computation after an upgrade of this
+    package, whose source is in the store's key) would otherwise come from that cache on every start: an
+    executable loaded from it cannot be stored (``_hits``), so each warm process would trace and lower it again.
+    Compiling it for real once stores it, and later processes load it from the store."""
+    from jax._src import config as jax_config  # the thread-local form of ``jax_enable_compilation_cache``
+
+    state = getattr(jax_config, "enable_compilation_cache", None)
+    return state(False) if callable(state) else contextlib.nullcontext()
 
 
 def _load(path: Path, device):
