@@ -318,7 +318,7 @@ class ModelRunner:
         self._fn = stored_jit(logits_step_flat, "step", (0, 2, 3), (4,), on_build=count_trace, log=log)
         self._forward_fn = stored_jit(forward_step_flat, "forward", (0, 2, 3), (4,), on_build=count_trace, log=log)
         self._sample_fn = stored_jit(sample_rows, "sample", (0,), on_build=count_trace, log=log)
-        self._snapshot_fn = compile_options.jit(_snapshot)
+        self._snapshot_fn = stored_jit(_snapshot, "snapshot", log=log)  # in every step that saves a window
         self._restore_fn = compile_options.jit(_restore, donate_argnums=(0,))
         self._set_engram_fn = compile_options.jit(_set_engram, donate_argnums=(0,))
         self._read_blocks_fn = compile_options.jit(_read_blocks)
