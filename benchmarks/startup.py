@@ -3,11 +3,14 @@
     python benchmarks/startup.py [--skip-nemo] [--skip-baseline] [--baseline-rev 97d1407]
 
 Every measurement runs in a fresh Python process (``--child``), timed from the moment the parent
-starts it, so imports and loading count. "cold" processes get empty compilation-cache and
+starts it (the child reads the parent's clock when its tokens exist; the interpreter's teardown after
+that is not counted, the process's exit time is in the JSON as ``wall_s``), so imports and loading count. "cold" processes get empty compilation-cache and
 profile-cache directories; "warm" ones reuse what the cold run left. Rows:
 
-- ``LLM()`` ready: the demo's engine settings on the shipped checkpoint, ``precompile="lazy"`` (the
-  default) and ``"all"``; then the demo's 5 prompts x 24 greedy tokens through ``LLM.generate``.
+- ``LLM()`` ready: the demo's engine settings on the shipped checkpoint (``DEMO``: float32-resident
+  weights, no speculation), ``precompile="lazy"`` (the default) and ``"all"``; then the demo's 5 prompts
+  x 24 greedy tokens through ``LLM.generate``. The same with the engine's default weights and speculation
+  (``DEFAULTS``: quantized-resident, ``auto``), in its own caches, beside it.
 - NeMo eager: NeMo AutoModel's DeepSeek-V4.1 port (torch, CPU, fp32, eager; the peer a notebook user
   would pick) on the same checkpoint's decoded weights, the same 5 prompts, 24 greedy tokens each by
   recomputing the full forward per token (the port has no KV cache); it reports how many of its
@@ -36,22 +39,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["import os\n", "def fibonacci(n):", "class Queue:\n", "    for i in range(", 'if __name__ == "__main__":\n']
 MAX_TOKENS = 24
-DEMO = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=32, max_model_len=256,
-            step_budget_ns=150_000_000)
+#: ``make demo``'s engine settings (examples/offline_inference.py): float32-resident weights and no speculation
+#: (docs/startup.md §8); ``DEFAULTS`` the same with the engine's defaults for those two, measured beside it.
+DEMO = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=32, max_model_len=256,
+            step_budget_ns=150_000_000, weights="float32", speculation="none")
+DEFAULTS = {**DEMO, "weights": "auto", "speculation": "auto"}
 
 
 # --- children: each prints one JSON line -------------------------------------------------------
 
 
-def child_engine(precompile: str, profile_dir: str) -> dict:
+def _since_spawn() -> float:
+    """Seconds since the parent started this process (``run_child`` passes its clock): "process start -> tokens"
+    stops when the tokens exist, not when the interpreter has finished tearing down."""
+    return time.time() - float(os.environ[SPAWN_CLOCK])
+
+
+def child_engine(precompile: str, profile_dir: str, settings: str = "demo") -> dict:
     from deepinfer_jax import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(None, use_tqdm=False, precompile=precompile, cost_model_dir=profile_dir, **DEMO)
+    llm = LLM(None, use_tqdm=False, precompile=precompile, cost_model_dir=profile_dir,
+              **(DEMO if settings == "demo" else DEFAULTS))
     ready = time.perf_counter() - t0
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    return {"ready_in_process_s": ready, "tokens": [o.outputs[0].token_ids for o in outs],
-            "speculation": llm.speculation}
+    return {"ready_in_process_s": ready, "tokens_at_s": _since_spawn(),
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "speculation": llm.speculation, "weights": llm.weights_resident}
 
 
 def child_nemo() -> dict:
@@ -80,7 +94,7 @@ def child_nemo() -> dict:
                 if nxt == cfg.eos_token_id:
                     break
             tokens.append(new)
-    return {"tokens": tokens}
+    return {"tokens_at_s": _since_spawn(), "tokens": tokens}
 
 
 def child_generate() -> dict:
@@ -133,14 +147,17 @@ def child_bucket() -> dict:
         from deepinfer_jax.runner.spec_runner import SpecRunner
 
         spec = SpecRunner(cfg, params, drafter, cc, buckets)
+        dispatch = (lambda: spec._dispatch([], 0, True, 64, 4, 8))  # one rank: no per-rank lists yet
     except ImportError:
         spec = ModelRunner(cfg, params, cc, buckets, drafter=drafter).speculation
+        dispatch = (lambda: spec._dispatch([[]], [0], [True], 64, 4, 8))
     t0 = time.perf_counter()
-    spec.sample(spec._dispatch([[]], [0], [True], 64, 4, 8)).result()  # both speculative programs, traced and compiled
+    spec.sample(dispatch()).result()  # both speculative programs, traced and compiled
     out["spec"] = {"first_step_s": time.perf_counter() - t0}
     return out
 
 
+SPAWN_CLOCK = "STARTUP_BENCH_SPAWNED_AT"
 CHILDREN = {"engine": child_engine, "nemo": child_nemo, "generate": child_generate, "bucket": child_bucket}
 
 
@@ -152,6 +169,7 @@ def run_child(kind: str, *args: str, env: dict | None = None, pythonpath: str | 
     if pythonpath:
         e["PYTHONPATH"] = pythonpath
     t0 = time.perf_counter()
+    e[SPAWN_CLOCK] = repr(time.time())
     proc = subprocess.run([sys.executable, __file__, "--child", kind, *args], env=e, capture_output=True, text=True,
                           cwd=pythonpath or ROOT)
     wall = time.perf_counter() - t0
@@ -183,26 +201,37 @@ def main() -> None:
                 r = run_child("engine", mode, str(prof), env=env)
                 results[f"engine_{mode}_{temp}"] = r
                 rows.append((f"LLM(precompile={mode!r}) ready", temp, r["ready_in_process_s"], "in process"))
-                rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", temp, r["wall_s"],
-                             f"precompile={mode}, speculation {r['speculation']}"))
-                print(f"  engine {mode} {temp}: ready {r['ready_in_process_s']:.1f} s, tokens at {r['wall_s']:.1f} s",
-                      flush=True)
+                rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", temp, r["tokens_at_s"],
+                             f"precompile={mode}, weights {r['weights']}, speculation {r['speculation']}"))
+                print(f"  engine {mode} {temp}: ready {r['ready_in_process_s']:.1f} s, tokens at "
+                      f"{r['tokens_at_s']:.1f} s (process exited at {r['wall_s']:.1f} s)", flush=True)
         # the baseline without the program store (runner.program_store, on by default), in its own caches
         store = {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-nostore")), "DEEPINFER_PROGRAM_STORE": "off"}
         for temp in ("cold", "warm"):
             r = run_child("engine", "lazy", str(Path(tmp, "prof-nostore")), env=store)
             results[f"engine_lazy_{temp}_nostore"] = r
-            rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", f"{temp}, no store", r["wall_s"],
+            rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", f"{temp}, no store", r["tokens_at_s"],
                          "precompile=lazy, DEEPINFER_PROGRAM_STORE=off"))
-            print(f"  engine lazy {temp} without the program store: tokens at {r['wall_s']:.1f} s", flush=True)
+            print(f"  engine lazy {temp} without the program store: tokens at {r['tokens_at_s']:.1f} s", flush=True)
+        # the engine's defaults for weights and speculation (quantized-resident, auto), in their own caches
+        defaults = {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-defaults"))}
+        for temp in ("cold", "warm"):
+            r = run_child("engine", "lazy", str(Path(tmp, "prof-defaults")), "defaults", env=defaults)
+            results[f"engine_lazy_{temp}_defaults"] = r
+            same = sum(a == b for a, b in zip(r["tokens"], results["engine_lazy_cold"]["tokens"]))
+            rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", f"{temp}, defaults", r["tokens_at_s"],
+                         f"weights auto ({r['weights']}), speculation auto ({r['speculation']}); "
+                         f"{same}/5 outputs equal the demo settings'"))
+            print(f"  engine lazy {temp} with the engine's default weights and speculation: tokens at "
+                  f"{r['tokens_at_s']:.1f} s", flush=True)
         ours = results["engine_lazy_cold"]["tokens"]
         if not args.skip_nemo:
             r = run_child("nemo")
             results["nemo"] = r
             same = sum(a == b for a, b in zip(r["tokens"], ours))
-            rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", "-", r["wall_s"],
+            rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", "-", r["tokens_at_s"],
                          f"NeMo eager (torch CPU); {same}/5 outputs equal ours"))
-            print(f"  nemo: tokens at {r['wall_s']:.1f} s", flush=True)
+            print(f"  nemo: tokens at {r['tokens_at_s']:.1f} s", flush=True)
         gen_env = {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate"))}
         for temp in ("cold", "warm"):
             r = run_child("generate", env=gen_env)
