@@ -5,7 +5,8 @@
 Every measurement runs in a fresh Python process (``--child``), timed from the moment the parent
 starts it (the child reads the parent's clock when its tokens exist; the interpreter's teardown after
 that is not counted, the process's exit time is in the JSON as ``wall_s``), so imports and loading
-count. "cold" processes get empty compilation-cache and profile-cache directories; "warm" ones reuse what the cold run left. Rows:
+count. "cold" processes get empty compilation-cache and profile-cache directories; "warm" ones reuse
+what the cold run left. Rows:
 
 - ``LLM()`` ready: the demo's engine settings on the shipped checkpoint (``DEMO``: float32-resident
   weights, no speculation), ``precompile="lazy"`` (the default) and ``"all"``; then the demo's 5 prompts
