@@ -309,11 +309,10 @@ def test_program_store_keeps_only_programs_compiled_in_this_process(tmp_path, mo
 
 
 def test_program_store_compiles_its_programs_without_the_compilation_cache(tmp_path, monkeypatch):
-    """A store miss compiles for real (the compilation cache is off for that compile, on this thread only), so
-    a program the compilation cache already holds, e.g. after an upgrade of the package, is stored once instead
-    of being traced and lowered again by every warm process."""
+    """A store miss compiles for real (the compilation cache is off for that compile), so a program the
+    compilation cache already holds, e.g. after an upgrade of the package, is stored once instead of being
+    traced and lowered again by every warm process."""
     import jax.numpy as jnp
-    from jax._src import config as jax_config
 
     from deepinfer_jax.runner.program_store import StoredJit
 
@@ -322,12 +321,12 @@ def test_program_store_compiles_its_programs_without_the_compilation_cache(tmp_p
     seen = []
 
     def step(x):
-        seen.append(jax_config.enable_compilation_cache.value)
+        seen.append(jax.config.jax_enable_compilation_cache)
         return jnp.sin(x) + 1
 
-    before = jax_config.enable_compilation_cache.value
+    before = jax.config.jax_enable_compilation_cache
     StoredJit(step, "uncached")(jnp.arange(5.0))
-    assert seen == [False] and jax_config.enable_compilation_cache.value == before
+    assert seen == [False] and jax.config.jax_enable_compilation_cache == before
     assert len(list((tmp_path / "xla-programs").iterdir())) == 1
     assert jax.jit(step)(jnp.arange(5.0)) is not None and seen[-1] == before  # other compiles keep the cache
 

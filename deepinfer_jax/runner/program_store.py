@@ -355,17 +355,33 @@ class StoredJit:
         return compiled, box[0]
 
 
+#: Store compiles in flight (``_compilation_cache_off``), and the compilation-cache setting they found.
+_cache_off = {"depth": 0, "saved": None}
+_cache_off_lock = threading.Lock()
+
+
+@contextlib.contextmanager
 def _compilation_cache_off():
-    """For this thread only, the persistent compilation cache neither answers nor keeps a compile.
+    """While a store miss compiles, the persistent compilation cache neither answers nor keeps a compile.
 
     A program the store lacks but the compilation cache holds (the same computation after an upgrade of this
     package, whose source is in the store's key) would otherwise come from that cache on every start: an
     executable loaded from it cannot be stored (``_hits``), so each warm process would trace and lower it again.
-    Compiling it for real once stores it, and later processes load it from the store."""
-    from jax._src import config as jax_config  # the thread-local form of ``jax_enable_compilation_cache``
-
-    state = getattr(jax_config, "enable_compilation_cache", None)
-    return state(False) if callable(state) else contextlib.nullcontext()
+    Compiling it for real once stores it, and later processes load it from the store. JAX's public switch
+    (``jax_enable_compilation_cache``) is process-wide: a compile on another thread meanwhile only misses the
+    cache (and if one of ours hits it after all, ``_hits`` still keeps it out of the store)."""
+    with _cache_off_lock:
+        if _cache_off["depth"] == 0:
+            _cache_off["saved"] = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+        _cache_off["depth"] += 1
+    try:
+        yield
+    finally:
+        with _cache_off_lock:
+            _cache_off["depth"] -= 1
+            if _cache_off["depth"] == 0:
+                jax.config.update("jax_enable_compilation_cache", _cache_off["saved"])
 
 
 def _load(path: Path, device):
