@@ -9,13 +9,6 @@ import pytest
 # Persistent XLA compilation cache: the model's jitted forward compiles once per machine.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# LLVM optimisation level 0 for every program the suite compiles, engine programs included, and in every
-# process it starts (they inherit it; tests/sharded sets its own): the suite's models are tiny, so compiling,
-# not running, is most of its time. Measured on 2026-12-05, fresh caches, alternating runs of test_engine,
-# test_spec_decode and test_quantized_residency: 193 / 208 s at level 0, 224 / 237 s at the engine's level 1.
-# A level the caller puts in XLA_FLAGS wins; docs/startup.md §7 has what level 0 costs at run time.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 #: Seconds of test time per file in a fresh-clone run (2026-12-04, 2 workers), for the files over ~30 s. ``make test``
 #: hands pytest-xdist whole files (``--dist loadfile --no-loadscope-reorder``) in collection order, so they are
