@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["import os\n", "def fibonacci(n):", "class Queue:\n", "    for i in range(", 'if __name__ == "__main__":\n']
 MAX_TOKENS = 24
+SPAWN_CLOCK = "STARTUP_BENCH_SPAWNED_AT"  # the parent's time.time() when it started the child
 #: ``make demo``'s engine settings (examples/offline_inference.py): float32-resident weights and no speculation
 #: (docs/startup.md §8); ``DEFAULTS`` the same with the engine's defaults for those two, measured beside it.
 DEMO = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=32, max_model_len=256,
@@ -158,7 +159,6 @@ def child_bucket() -> dict:
     return out
 
 
-SPAWN_CLOCK = "STARTUP_BENCH_SPAWNED_AT"
 CHILDREN = {"engine": child_engine, "nemo": child_nemo, "generate": child_generate, "bucket": child_bucket}
 
 
