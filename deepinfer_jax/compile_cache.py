@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["ENV", "OFF_VALUES", "cache_dir", "enable", "resolve"]
+__all__ = ["ENV", "OFF_VALUES", "cache_dir", "enable", "reset_jax_cache", "resolve"]
 
 ENV = "DEEPINFER_COMPILATION_CACHE"
 OFF_VALUES = ("off", "0", "false", "")
@@ -86,7 +86,7 @@ def enable(setting: str | os.PathLike | bool | None = None) -> Path | None:
             return path
         if jax.config.jax_compilation_cache_dir != key:
             jax.config.update("jax_compilation_cache_dir", key)
-            _reset_jax_cache()  # JAX fixes its directory at the first compilation; move it
+            reset_jax_cache()  # JAX fixes its directory at the first compilation; move it
         jax.config.update("jax_enable_compilation_cache", True)
         if jax.config.jax_persistent_cache_min_compile_time_secs > MIN_COMPILE_S:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
@@ -99,7 +99,13 @@ def cache_dir() -> Path | None:
     return None if _enabled_dir[0] is None else Path(_enabled_dir[0])
 
 
-def _reset_jax_cache() -> None:
+def reset_jax_cache() -> None:
+    """Make JAX look at its cache settings again at the next compile.
+
+    JAX reads the directory, and whether the cache is on at all, at the first compile after start-up or
+    after a reset, and keeps both until the next reset: ``jax_enable_compilation_cache`` changed in
+    between has no effect. Whoever changes either setting resets (``runner/program_store.py`` does, around
+    the compiles it keeps out of the cache)."""
     try:  # public API; resetting a cache that never initialised is a no-op
         from jax.experimental.compilation_cache import compilation_cache as cc
 

@@ -309,26 +309,42 @@ def test_program_store_keeps_only_programs_compiled_in_this_process(tmp_path, mo
 
 
 def test_program_store_compiles_its_programs_without_the_compilation_cache(tmp_path, monkeypatch):
-    """A store miss compiles for real (the compilation cache is off for that compile), so a program the
-    compilation cache already holds, e.g. after an upgrade of the package, is stored once instead of being
-    traced and lowered again by every warm process."""
-    import jax.numpy as jnp
-
+    """A store miss compiles for real (the compilation cache neither answers nor keeps that compile), so a
+    program the compilation cache already holds, e.g. after an upgrade of the package, is stored once instead
+    of being traced and lowered again by every warm process; and the compiles after it use the cache again,
+    whichever came first (JAX decides at the first compile after a reset of its cache, and a store compile
+    first once left the cache off for the rest of the process)."""
     from deepinfer_jax.runner.program_store import StoredJit
 
-    monkeypatch.setattr(compile_cache, "cache_dir", lambda: tmp_path / "xla")
     monkeypatch.delenv("DEEPINFER_PROGRAM_STORE", raising=False)
     seen = []
 
-    def step(x):
-        seen.append(jax.config.jax_enable_compilation_cache)
-        return jnp.sin(x) + 1
+    def step(k):
+        def fn(x):
+            seen.append(jax.config.jax_enable_compilation_cache)
+            return jnp.sin(x) * k + 1
+        return fn
 
+    suite_cache, min_s = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     before = jax.config.jax_enable_compilation_cache
-    StoredJit(step, "uncached")(jnp.arange(5.0))
-    assert seen == [False] and jax.config.jax_enable_compilation_cache == before
-    assert len(list((tmp_path / "xla-programs").iterdir())) == 1
-    assert jax.jit(step)(jnp.arange(5.0)) is not None and seen[-1] == before  # other compiles keep the cache
+    entries = lambda d: sorted(p.name for p in d.iterdir() if p.name.startswith("jit_"))
+    x4, x5, x6 = (jnp.asarray(np.arange(n, dtype=np.float32)) for n in (4, 5, 6))  # no compile of their own
+    try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        for first_store, d in ((True, tmp_path / "a" / "xla"), (False, tmp_path / "b" / "xla")):
+            compile_cache.enable(str(d))  # a new directory: JAX's cache is reset, the next compile decides
+            if not first_store:
+                jax.jit(step(3.0))(x4)
+            n = len(entries(d))
+            StoredJit(step(2.0), "uncached")(x5)
+            assert seen[-1] is False and len(entries(d)) == n, entries(d)  # not in the compilation cache
+            assert len(list((d.parent / "xla-programs").iterdir())) == 1  # but in the store
+            jax.jit(step(5.0))(x6)
+            assert seen[-1] == before and len(entries(d)) == n + 1, entries(d)  # later compiles are cached again
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
+        compile_cache.enable(suite_cache)  # back to the suite's cache
+    assert jax.config.jax_enable_compilation_cache == before
 
 
 def test_program_log_prefetches_what_the_configuration_used_last_and_survives_a_damaged_manifest(tmp_path,

@@ -368,12 +368,16 @@ def _compilation_cache_off():
     package, whose source is in the store's key) would otherwise come from that cache on every start: an
     executable loaded from it cannot be stored (``_hits``), so each warm process would trace and lower it again.
     Compiling it for real once stores it, and later processes load it from the store. JAX's public switch
-    (``jax_enable_compilation_cache``) is process-wide: a compile on another thread meanwhile only misses the
-    cache (and if one of ours hits it after all, ``_hits`` still keeps it out of the store)."""
+    (``jax_enable_compilation_cache``) is process-wide and read at the first compile after a reset of JAX's
+    cache, so it is reset on the way in and again on the way out (else the first answer would hold for the
+    whole process: the cache off for every later program, or never off for ours). A compile on another
+    thread meanwhile only misses the cache (and if one of ours hits it after all, ``_hits`` still keeps it out
+    of the store)."""
     with _cache_off_lock:
         if _cache_off["depth"] == 0:
             _cache_off["saved"] = jax.config.jax_enable_compilation_cache
             jax.config.update("jax_enable_compilation_cache", False)
+            compile_cache.reset_jax_cache()  # without it JAX keeps the answer it gave at its first compile
         _cache_off["depth"] += 1
     try:
         yield
@@ -382,6 +386,7 @@ def _compilation_cache_off():
             _cache_off["depth"] -= 1
             if _cache_off["depth"] == 0:
                 jax.config.update("jax_enable_compilation_cache", _cache_off["saved"])
+                compile_cache.reset_jax_cache()
 
 
 def _load(path: Path, device):
