@@ -73,6 +73,17 @@ if _TIMES:
         logging.getLogger(_name).addHandler(_ProgramLog())
 
 
+@pytest.fixture(scope="module")
+def xla_cpu_level0():
+    """For one module: the engine's programs, and the test's own compiled through ``compile_options.jit``, at
+    XLA:CPU's LLVM level 0 (``DEEPINFER_XLA_CPU_OPT_LEVEL``). For files that compile many programs and run each
+    a few steps; measured per file in docs/startup.md §7. Modules use it with
+    ``pytestmark = pytest.mark.usefixtures("xla_cpu_level0")``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_XLA_CPU_OPT_LEVEL", "0")
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every jitted program's in-memory executables after each test module (the persistent cache

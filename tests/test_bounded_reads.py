@@ -19,6 +19,9 @@ from deepinfer_jax.runner.step_batch import build_inputs, pick_shape
 
 CFG = ModelConfig.tiny()
 
+#: compile-bound: level 0 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_cpu_level0")
+
 
 def _values(jaxpr):
     """Every value an equation of ``jaxpr`` makes, nested jaxprs (jit, scan, custom_jvp ...) included."""

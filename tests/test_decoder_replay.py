@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_paged_step import CFG, robust_params
 
+from deepinfer_jax import compile_options
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs, paged_step
@@ -14,6 +16,9 @@ from deepinfer_jax.model.paged import StepInputs, paged_step
 L, BS = 64, 16
 CC = CacheConfig(block_size=BS, num_blocks=L // BS, max_requests=1, max_blocks_per_request=L // BS,
                  storage="dequantized")
+
+#: compile-bound: level 0 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_cpu_level0")
 
 
 def prefill(keep: int | None):
@@ -31,7 +36,8 @@ def prefill(keep: int | None):
 
 
 def run(params, inp):
-    compiled = jax.jit(paged_step, static_argnums=(1, 2)).lower(params, CFG, CC, init_cache(CFG, CC), inp).compile()
+    step = compile_options.jit(paged_step, static_argnums=(1, 2))
+    compiled = step.lower(params, CFG, CC, init_cache(CFG, CC), inp).compile()
     logits, cache = compiled(params, init_cache(CFG, CC), inp)
     cost = compiled.cost_analysis()
     flops = (cost[0] if isinstance(cost, list) else cost)["flops"]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from deepinfer_jax import ModelConfig, init_params
+from deepinfer_jax import ModelConfig, compile_options, init_params
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.model import index_tiles, paged
 from deepinfer_jax.model.kv_cache import init_cache
@@ -20,6 +20,9 @@ from deepinfer_jax.runner.step_batch import ChunkSpec, build_inputs
 CFG = ModelConfig.tiny()
 BLOCK, BLOCKS = 16, 8
 DEFAULT = index_tiles.TILE_BUDGET
+
+#: compile-bound: level 0 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_cpu_level0")
 
 
 def _step(params, cache_cfg, cache, inp, budget, monkeypatch):
@@ -39,7 +42,7 @@ def _step(params, cache_cfg, cache, inp, budget, monkeypatch):
         logits, new_cache = paged.paged_step(params, CFG, cache_cfg, cache, inp)[:2]
         return logits, new_cache, list(picks)
 
-    return jax.jit(run)(params, cache, inp)
+    return compile_options.jit(run)(params, cache, inp)
 
 
 def _inputs(rng, cache_cfg):

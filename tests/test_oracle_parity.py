@@ -16,13 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-from deepinfer_jax import ModelConfig, forward_full, load_hf_checkpoint
+from deepinfer_jax import ModelConfig, compile_options, forward_full, load_hf_checkpoint
 from deepinfer_jax.checkpoint.hf_export import save_hf_checkpoint, tree_to_hf_tensors
 from deepinfer_jax.checkpoint.loader import load_hf_checkpoint_tree, tensors_to_tree
 
 nemo = pytest.importorskip("nemo_oracle")
 
-pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.oracle, pytest.mark.slow, pytest.mark.usefixtures("xla_cpu_level0")]  # level 0: conftest
 
 
 def _engram_cfg() -> ModelConfig:
@@ -57,7 +57,7 @@ def test_forward_full_matches_nemo(tmp_path, make_cfg):
     assert len(list(tmp_path.glob("*.safetensors"))) >= 2 and (tmp_path / "model.safetensors.index.json").exists()
     loaded_cfg, params = load_hf_checkpoint(tmp_path, progress=False)
     assert loaded_cfg == cfg
-    fwd = jax.jit(forward_full, static_argnums=1)
+    fwd = compile_options.jit(forward_full, static_argnums=1)
     rng = np.random.default_rng(1)
     for length in (9, 40, 57):  # across the window, several compression groups, a trailing partial group
         ids = rng.integers(0, cfg.vocab_size, (2, length))

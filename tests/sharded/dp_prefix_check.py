@@ -60,17 +60,31 @@ def run_batches(llm, batches, sp, sync_last: bool) -> tuple[list[dict], list[int
     return outs, cached
 
 
+#: One-device references by row kind: the same settings and prompts for every preset, so computed once.
+_REFERENCES: dict[str, tuple] = {}
+
+
+def reference(kind: str, make) -> tuple:
+    if kind not in _REFERENCES:
+        _REFERENCES[kind] = make()
+    return _REFERENCES[kind]
+
+
 def prefix_row(cfg, params, preset: str, sp) -> None:
     start = time.perf_counter()
     batches = prefix_batches(cfg.vocab_size)
-    ref = LLM(config=cfg, params=params, **PREFIX_SETTINGS)
-    want, want_cached = run_batches(ref, batches, sp, sync_last=False)
+
+    def one_device():
+        ref = LLM(config=cfg, params=params, **PREFIX_SETTINGS)
+        return (*run_batches(ref, batches, sp, sync_last=False), ref.stats["prefix"])
+
+    want, want_cached, ref_prefix = reference("prefix", one_device)
     llm = LLM(config=cfg, params=params, sharding=preset, **PREFIX_SETTINGS)
     traces = llm.runner.traces
     got, got_cached = run_batches(llm, batches, sp, sync_last=True)
     stats = llm.stats
     print(json.dumps({"check": f"prefix_{preset}", **compare(want, got), "ref_cached": want_cached,
-                      "cached": got_cached, "prefix": stats["prefix"], "ref_prefix": ref.stats["prefix"],
+                      "cached": got_cached, "prefix": stats["prefix"], "ref_prefix": ref_prefix,
                       "rank_hits": stats["dp_rank_prefix_hits"], "rank_requests": stats["dp_rank_requests"],
                       "windows": len(llm.engine.schedulers[0].prefix.snapshots),
                       "shared_windows": all(s.prefix.snapshots is llm.engine.schedulers[0].prefix.snapshots
@@ -83,9 +97,9 @@ def decoder_row(cfg, params, preset: str, sp) -> None:
     start = time.perf_counter()
     rng = np.random.default_rng(12)
     prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, n).tolist()} for n in (3, 40, 9, 30, 48)]
-    ref = LLM(config=cfg, params=params, **DECODER_SETTINGS)
-    want = summary(ref.generate(prompts, sp, use_tqdm=False))
-    exact = summary(LLM(config=cfg, params=params, **PREFIX_SETTINGS).generate(prompts, sp, use_tqdm=False))
+    want, exact = reference("decoder", lambda: tuple(
+        summary(LLM(config=cfg, params=params, **settings).generate(prompts, sp, use_tqdm=False))
+        for settings in (DECODER_SETTINGS, PREFIX_SETTINGS)))
     llm = LLM(config=cfg, params=params, sharding=preset, **DECODER_SETTINGS)
     traces = llm.runner.traces
     got = summary(llm.generate(prompts, sp, use_tqdm=False))
