@@ -198,6 +198,33 @@ def test_forwarded_requests_continue_exactly(ref, roles):
     assert [got[f"f{i}"].outputs[0].token_ids for i in range(3)] == _tokens(_reference(ref, prompts, sp))
 
 
+def test_forwarding_some_requests_leaves_the_others_running(ref, roles):
+    """Rebalancing: the instance hands on only the requests named (ids it does not have are ignored); the
+    others keep decoding there from the next step, and everything continues exactly."""
+    p, d = roles
+    prompts = _prompts(6, (28, 47, 60))
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    results = _prefill(p, prompts, sp, tag="m")
+    for i, ids in enumerate(prompts):
+        d.add(ids, sp, f"m{i}", results[f"m{i}"].handoff)
+    got = {}
+    for _ in range(5):
+        for o in d.step():
+            got[o.request_id] = o
+    lengths = d.lengths()
+    assert set(lengths) == {"m0", "m1", "m2"} and all(lengths[f"m{i}"] > len(prompts[i]) + 1 for i in range(3))
+    finished, forwards = d.forward_unfinished(["m1", "not-here"])
+    got.update({o.request_id: o for o in finished})
+    assert [f.request_id for f in forwards] == ["m1"] and set(d.lengths()) == {"m0", "m2"}
+    assert decode_handoff(forwards[0].handoff).source == "forward"
+    for _ in range(3):  # the two left behind decode on before the moved one arrives back
+        for o in d.step():
+            got[o.request_id] = o
+    assert d.add(prompts[1], sp, "m1", forwards[0].handoff) == "exact"
+    got.update(_decode(d))
+    assert [got[f"m{i}"].outputs[0].token_ids for i in range(3)] == _tokens(_reference(ref, prompts, sp))
+
+
 # ---- a DP engine as an instance (8 fake devices; a subprocess: tests/sharded/dp_roles_check.py) ----
 @pytest.fixture(scope="module")
 def dp_roles():
@@ -521,6 +548,34 @@ def test_cluster_stream_survives_retire_and_forwarding(ref, cluster):
     _check_stream(streams, _reference(ref, prompts, sp))
 
 
+# ---- live decode rebalancing (issue 23) ----
+def test_cluster_rebalances_decode_onto_a_new_instance_mid_stream(ref, cluster):
+    """A decode instance starts while every request runs on the others (a scale-up): the rebalancing
+    migrates some to it mid-decode; streams and tokens equal colocated, nothing lost or sent twice."""
+    from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings
+
+    prompts = _prompts(25, (22, 39, 52, 61))
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    before, exact, added, seen = cluster.stats.migrated, cluster.stats.exact, [], {}
+
+    def add_an_instance_once_all_decode(d, deltas):
+        seen[d.request_id] = sum(len(x.outputs[0].token_ids) for x in deltas)
+        if not added and len(seen) == len(prompts) and min(seen.values()) >= 2 and not d.finished:
+            added.append(cluster.add_instance("decode"))
+            cluster.enable_rebalance(RebalanceSettings(tick_s=0.05, max_moves=4, threshold=1.05, cooldown_s=60.0))
+
+    try:
+        streams = _stream(cluster, prompts, sp, add_an_instance_once_all_decode)
+    finally:
+        cluster.enable_rebalance(None)
+    assert added and cluster.stats.duplicates == 0
+    moved = cluster.stats.migrated - before
+    assert moved >= 1 and cluster.stats.exact - exact >= len(prompts) + moved  # every move admitted exactly
+    new = cluster.instances["decode"][added[0]]
+    assert cluster._ray.get(new.actor.stats.remote())["admitted"] >= 1  # the new instance decoded moved requests
+    _check_stream(streams, _reference(ref, prompts, sp))
+
+
 # ---- the live autoscaler (issue 23) ----
 def test_cluster_bad_settings_are_typed_errors_naming_the_field():
     pytest.importorskip("ray", reason="Ray (the 'cluster' extra) is not installed")
@@ -536,7 +591,8 @@ def test_cluster_bad_settings_are_typed_errors_naming_the_field():
               "autoscaler.decode.min_instances"),
              ({"budget_s": -0.1}, "budget_s"), ({"decode_grace_s": "60"}, "decode_grace_s"),
              ({"prefill": 0}, "prefill"), ({"decode": 1.5}, "decode"),
-             ({"decode_settings": {"sharding": "no-such-preset"}}, "decode_settings.sharding")]
+             ({"decode_settings": {"sharding": "no-such-preset"}}, "decode_settings.sharding"),
+             ({"rebalance": {"tick_s": 0.1}}, "rebalance")]
     for kw, field in cases:
         with pytest.raises(PolicyInputError) as e:
             Cluster(model="tiny", **kw)
@@ -651,14 +707,14 @@ def test_cluster_autoscaler_replaces_a_dead_decode_instance(ref, cluster):
     cluster.enable_autoscaler(AutoscalerSettings(_fast_role(1e9, n_p, n_p), _fast_role(1e9, n_d, n_d), ready_pool=0,
                                                  tick_s=0.2))
     try:
-        victim = cluster._live("decode")[-1]
+        victim, before = cluster._live("decode")[-1], len(cluster.instances["decode"])
         cluster.kill("decode", victim.index)
         prompts = _prompts(90, (20, 30, 40, 50))
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         rids = cluster.submit([{"prompt_token_ids": p} for p in prompts], sp)
         got = _run_until(cluster, rids, timeout_s=300)
         end = time.perf_counter() + 300
-        while not (cluster.instances["decode"][-1] is not victim and cluster.instances["decode"][-1].ready):
+        while not any(i.alive and i.ready for i in cluster.instances["decode"][before:]):  # the replacement
             assert time.perf_counter() < end, "no replacement started"
             cluster.step(timeout_s=0.1)
             time.sleep(0.05)

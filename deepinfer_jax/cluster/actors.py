@@ -1,14 +1,14 @@
 """The Ray actor that hosts one engine instance in a role (issue 23 item 2): ``EngineActor``.
 
 A plain class; ``live.Cluster`` wraps it with ``ray.remote``. Each actor builds its own ``LLM`` (one
-engine, one process; a DP engine over a device mesh is one actor too) and a ``roles.PrefillInstance`` or
-``roles.DecodeInstance`` around it. The
-router talks to it through ``work``: hand it new requests and let it step for up to ``budget_s``
-(returning as soon as a step produced results), so one outstanding call per actor keeps every
-engine busy while the driver routes. A decode request added with ``stream`` (where the client's
-stream stands: tokens, characters, logprobs) is also reported while it runs: ``work`` returns its
-new tokens and text since the previous answer (``cluster.streaming.Partial``), not only finished
-requests.
+engine, one process; a DP engine over a device mesh is one actor too) and a ``roles.PrefillInstance``
+or ``roles.DecodeInstance`` around it. The router talks to it through ``work``: hand it new requests
+and let it step for up to ``budget_s`` (returning as soon as a step produced results; decode: with
+every running request's KV length), so one outstanding call per actor keeps every engine busy while
+the driver routes. A decode request added with ``stream`` (where the client's stream stands: tokens,
+characters, logprobs) is also reported while it runs: ``work`` returns its new tokens and text since
+the previous answer (``cluster.streaming.Partial``), not only finished requests. ``forward_unfinished``
+hands requests on: all of them (going offline) or those a rebalancing moves.
 """
 
 from __future__ import annotations
@@ -94,13 +94,17 @@ class EngineActor:
             p = t.partial()
             if p is not None:
                 partial[rid] = p
-        return {"results": results, "partial": partial, "how": how, "errors": errors,
+        lengths = self.inst.lengths() if self.role == "decode" else {}
+        return {"results": results, "partial": partial, "how": how, "errors": errors, "lengths": lengths,
                 "busy": self.inst.has_unfinished}
 
-    def forward_unfinished(self):
-        """Decode role, going offline: ``(finished outputs, roles.Forwarded list)``."""
-        self.trackers.clear()
-        return self.inst.forward_unfinished()
+    def forward_unfinished(self, request_ids=None):
+        """Decode role, going offline (every request) or migrating ``request_ids``: ``(finished outputs,
+        roles.Forwarded list)``; the requests not named keep running here."""
+        finished, forwards = self.inst.forward_unfinished(request_ids)
+        for rid in [o.request_id for o in finished] + [f.request_id for f in forwards]:
+            self.trackers.pop(rid, None)
+        return finished, forwards
 
     def stats(self) -> dict:
         inst = self.inst

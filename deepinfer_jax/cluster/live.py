@@ -34,6 +34,12 @@ streamed twice or skipped (greedy decoding regenerates the same tokens).
 tokens/s and the running decode requests, calls ``Autoscaler.tick`` and adds instances (started
 without blocking, routed to once ready) or takes them out of service (``cluster.scaling``); the
 changes are ``ClusterStats.scale_events``.
+
+``rebalance=RebalanceSettings(...)``: every ``tick_s`` the router runs ``decode_rebalance.plan_moves``
+over every rank of the decode instances in service, each request weighed by its KV length (what the
+decode actors report with each answer), and migrates the planned requests: the source actor hands them
+on exactly as a retiring one does (``forward_unfinished`` with their ids; the rest keep decoding there)
+and the router admits each on the rank the plan chose. Counted in ``ClusterStats.migrated``.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from typing import Self
 
 from deepinfer_jax.cluster.autoscaler import AutoscalerSettings
 from deepinfer_jax.cluster.decode_balancer import DecodeInstanceView, pick_decode_rank
+from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings, plan_moves
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_number
 from deepinfer_jax.cluster.prefill_balancer import PrefillBalancer, SlotRule, request_quota
 from deepinfer_jax.cluster.prefix_index import PrefixIndex, match_tokens
@@ -108,6 +115,7 @@ class ClusterStats:
     rerouted_prefill: int = 0  # requests routed again after their prefill actor died
     resumed_decode: int = 0  # requests continued elsewhere after their decode actor died
     forwarded: int = 0  # requests a retiring decode instance handed on
+    migrated: int = 0  # requests the decode rebalancing moved to another rank (``rebalance``)
     duplicates: int = 0  # outputs for an already finished request (dropped)
     finished_at_prefill: int = 0  # requests the first token already ended
     scale_events: list = field(default_factory=list)  # scaling.ScaleEvent, one per autoscaler change
@@ -123,6 +131,7 @@ class _Req:
     where: tuple[str, int] | None = None
     rank: int | None = None  # on a decode instance: the DP rank the decode balancer picked
     quota: float = 0.0
+    kv: int | None = None  # on decode: its tokens (KV length) as the instance last reported them
     handoff: bytes | None = None
     output_ids: list[int] | None = None  # known generated tokens when there is no handoff (forwarding)
     first: RequestOutput | None = None
@@ -149,6 +158,7 @@ class _Instance:
     draining: bool = False  # prefill going offline: no new requests, stopped once it has none
     dp_size: int = 1  # the engine's DP ranks (``EngineActor.info``)
     pooled: bool = False  # in the autoscaler's ready pool: booted, not in service (``cluster.scaling``)
+    migrate: dict = field(default_factory=dict)  # decode: request id -> (instance, rank) to move it to
 
 
 def answered(ray, refs: list, timeout_s: float) -> list:
@@ -164,6 +174,17 @@ def answered(ray, refs: list, timeout_s: float) -> list:
     return ready
 
 
+def _number(rid: str) -> int:
+    """The router's request ids are ``c<n>``: ``n``, the id ``plan_moves`` takes."""
+    return int(rid[1:])
+
+
+def _check_rebalance(settings):
+    if settings is not None and not isinstance(settings, RebalanceSettings):
+        raise PolicyInputError("rebalance", f"a RebalanceSettings or None, got {type(settings).__name__}")
+    return settings
+
+
 class Cluster:
     """``prefill`` + ``decode`` engine instances on Ray; see the module docstring.
 
@@ -171,13 +192,14 @@ class Cluster:
     ``decode_settings`` override per role. ``ray_init``: keywords for ``ray.init`` when Ray is not
     initialised yet (local: ``num_cpus=2``, no dashboard); the workers import this checkout.
     ``autoscaler``: ``AutoscalerSettings`` to scale both roles live (``enable_autoscaler``), or None.
+    ``rebalance``: ``RebalanceSettings`` to migrate decode requests between ranks (``enable_rebalance``), or None.
     """
 
     def __init__(self, prefill: int = 1, decode: int = 1, model=None, *, block_store: str | os.PathLike | None = None,
                  prefill_settings: dict | None = None, decode_settings: dict | None = None,
                  decode_grace_s: float = 60.0, budget_s: float = 0.05, ray_init: dict | None = None,
                  actor_options: dict | None = None, autoscaler: AutoscalerSettings | None = None,
-                 **settings) -> None:
+                 rebalance: RebalanceSettings | None = None, **settings) -> None:
         import ray
 
         check_int("prefill", prefill, 1)
@@ -185,6 +207,7 @@ class Cluster:
         check_number("decode_grace_s", decode_grace_s)
         check_number("budget_s", budget_s)
         check_settings(autoscaler)
+        _check_rebalance(rebalance)
         self._settings = {"prefill": {**settings, **(prefill_settings or {})},
                           "decode": {**settings, **(decode_settings or {})}}
         self._settings["prefill"].setdefault("speculation", "none")  # a prefill instance never decodes
@@ -223,6 +246,10 @@ class Cluster:
         self.stats = ClusterStats()
         self.scaler: LiveScaler | None = None
         self.enable_autoscaler(autoscaler)
+        self.rebalance: RebalanceSettings | None = None
+        self._moved_at: dict[int, float] = {}  # request number -> when it was last moved (or placed, ``settle``)
+        self._next_rebalance = 0.0
+        self.enable_rebalance(rebalance)
 
     def enable_autoscaler(self, settings: AutoscalerSettings | None) -> None:
         """Scale live with ``settings`` from now on (the policy starts from the instances in service),
@@ -231,6 +258,12 @@ class Cluster:
         if self.scaler is not None:
             self.scaler.close()  # its ready pool's idle instances stop
         self.scaler = None if settings is None else LiveScaler(self, settings, time.perf_counter())
+
+    def enable_rebalance(self, settings: RebalanceSettings | None) -> None:
+        """Migrate decode requests between ranks with ``settings`` from now on (first plan at the next
+        ``step``), or stop (None). ``PolicyInputError`` naming ``rebalance`` for anything else."""
+        self.rebalance = _check_rebalance(settings)
+        self._next_rebalance = 0.0
 
     # ---- instances ----
     def _start(self, role: str) -> _Instance:
@@ -340,14 +373,19 @@ class Cluster:
             ld[1] += self._tokens(req)
         return tuple(RankLoad(n, t) for n, t in loads)
 
-    def _route_decode(self, req: _Req) -> None:
+    def _route_decode(self, req: _Req, to: tuple[int, int] | None = None) -> None:
         """The decode balancer over every rank of every accepting decode instance; a DP instance runs the request
-        on the rank it picked."""
+        on the rank it picked. ``to``: (instance, rank) the rebalancing planned, if that instance still accepts."""
         cands = self.instances["decode"]
-        views = [DecodeInstanceView(self._rank_loads(i), i.alive and i.accepting) for i in cands]
-        if not any(v.accepting for v in views):
-            raise RuntimeError("no decode instance left to take requests")
-        e, rank = pick_decode_rank(views, self._tokens(req))
+        if to is not None and cands[to[0]].alive and cands[to[0]].accepting:
+            e, rank = to
+        else:
+            views = [DecodeInstanceView(self._rank_loads(i), i.alive and i.accepting) for i in cands]
+            if not any(v.accepting for v in views):
+                raise RuntimeError("no decode instance left to take requests")
+            e, rank = pick_decode_rank(views, self._tokens(req))
+        if self.rebalance is not None and self.rebalance.settle and to is None:
+            self._moved_at.setdefault(_number(req.rid), time.perf_counter())  # not moved within cooldown_s of it
         inst = cands[e]
         req.where, req.rank = ("decode", e), rank
         inst.rids.add(req.rid)
@@ -358,7 +396,35 @@ class Cluster:
 
     @staticmethod
     def _tokens(req: _Req) -> int:
+        if req.kv is not None:
+            return req.kv
         return len(req.ids) + (len(req.output_ids) if req.output_ids else 1)
+
+    def _plan_migrations(self, now: float) -> None:
+        """The rebalancing tick: ``plan_moves`` over every rank of the decode instances in service (requests
+        the actor already has, weighed by KV length); each planned request is marked on its instance, whose
+        next call hands it on (``step``)."""
+        s = self.rebalance
+        self._next_rebalance = now + s.tick_s
+        flat, ranks = [], []
+        for inst in self.instances["decode"]:
+            if not (inst.alive and inst.ready and inst.accepting and inst.retire_at is None):
+                continue
+            unsent = {a["request_id"] for a in inst.adds} | set(inst.migrate)
+            rows = [[] for _ in range(inst.dp_size)]
+            for rid in sorted(inst.rids):
+                req = self.requests[rid]
+                if req.done is None and rid not in unsent:
+                    rows[min(req.rank or 0, inst.dp_size - 1)].append((_number(rid), self._tokens(req)))
+            for k, row in enumerate(rows):
+                flat.append((inst.index, k))
+                ranks.append(row)
+        if len(ranks) < 2:
+            return
+        for m in plan_moves(ranks, s.max_moves, s.threshold, now, self._moved_at, s.cooldown_s, s.keep_rows):
+            src = self.instances["decode"][flat[m.src][0]]
+            src.migrate[f"c{m.rid}"] = flat[m.dst]
+            self._moved_at[m.rid] = now
 
     # ---- the loop ----
     @property
@@ -371,12 +437,18 @@ class Cluster:
         now = time.perf_counter()
         if self.scaler is not None:
             self.scaler.tick(now)
+        if self.rebalance is not None and now >= self._next_rebalance:
+            self._plan_migrations(now)
         for inst in self._live("prefill"):
             if inst.draining and inst.call is None and not inst.rids and not inst.adds:
                 self.stop_instance(inst)
         for inst in self._live("decode"):
             if inst.retire_at is not None and inst.call is None and (now >= inst.retire_at or not inst.rids):
+                inst.migrate = {}  # every request goes
                 inst.call = ("forward", inst.actor.forward_unfinished.remote())
+            elif inst.migrate and inst.call is None:
+                moves, inst.migrate = inst.migrate, {}
+                inst.call = ("migrate", inst.actor.forward_unfinished.remote(sorted(moves)), moves)
         for inst in self._live():
             if inst.call is None and (inst.adds or inst.busy):
                 adds, inst.adds = inst.adds, []
@@ -392,13 +464,15 @@ class Cluster:
             try:
                 answer = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
-                self._lost(inst, rest[0] if kind == "work" else [])
+                self._lost(inst)
                 continue
             if kind == "info":
                 inst.ready, inst.accepting = True, not inst.pooled
                 inst.dp_size = answer["dp_size"]
             elif kind == "forward":
                 finished += self._forwarded(inst, *answer)
+            elif kind == "migrate":
+                finished += self._migrated(inst, *answer, rest[1])
             else:
                 finished += self._answer(inst, answer)
         return finished
@@ -437,6 +511,10 @@ class Cluster:
                 req = self.requests[res.request_id]
                 inst.rids.discard(req.rid)
                 finished += self._finish(req, res, now)
+        for rid, n in answer.get("lengths", {}).items():
+            req = self.requests.get(rid)
+            if req is not None and req.done is None and req.where == ("decode", inst.index):
+                req.kv = n
         for rid, part in answer.get("partial", {}).items():
             req = self.requests.get(rid)
             if req is not None and req.cursor is not None and req.done is None and req.where == ("decode", inst.index):
@@ -457,15 +535,16 @@ class Cluster:
         req.done = dataclasses.replace(out, num_cached_tokens=first.num_cached_tokens, metrics=metrics,
                                        prompt_logprobs=first.prompt_logprobs, prompt=req.text)
         req.where = None
+        self._moved_at.pop(_number(req.rid), None)
         if req.cursor is not None:
             self._push(req, req.cursor.final(req.done))
         if req.orphan:
             self.requests.pop(req.rid, None)
         return [req.done]
 
-    def _lost(self, inst: _Instance, adds: list) -> None:
+    def _lost(self, inst: _Instance) -> None:
         """An actor died: route its requests again (prefill) or continue them elsewhere (decode)."""
-        inst.alive, inst.accepting, inst.call, inst.busy = False, False, None, False
+        inst.alive, inst.accepting, inst.call, inst.busy, inst.migrate = False, False, None, False, {}
         rids, inst.rids, inst.adds = sorted(inst.rids), set(), []
         for rid in rids:
             req = self.requests[rid]
@@ -491,13 +570,7 @@ class Cluster:
             if req.done is not None:
                 continue
             self.stats.forwarded += 1
-            if f.handoff is not None:
-                req.handoff, req.output_ids = f.handoff, None
-                self.stats.handoff_bytes += len(f.handoff)
-                self.stats.handoff_s += f.handoff_s
-            else:
-                req.output_ids = f.output_ids or None
-                req.handoff = None if req.output_ids else req.handoff
+            self._take_forward(req, f)
             self._route_decode(req)
         leftover = sorted(inst.rids)  # requests routed to it after the forward started: route them again
         inst.rids, inst.adds = set(), []
@@ -506,6 +579,35 @@ class Cluster:
         for rid in leftover:
             if self.requests[rid].done is None:
                 self._route_decode(self.requests[rid])
+        return finished
+
+    def _take_forward(self, req: _Req, f) -> None:
+        """What a forward (``roles.Forwarded``) continues ``req`` from: its handoff, else its tokens."""
+        if f.handoff is not None:
+            req.handoff, req.output_ids = f.handoff, None
+            self.stats.handoff_bytes += len(f.handoff)
+            self.stats.handoff_s += f.handoff_s
+        else:
+            req.output_ids = f.output_ids or None
+            req.handoff = None if req.output_ids else req.handoff
+
+    def _migrated(self, inst: _Instance, outputs: list, forwards: list, moves: dict) -> list[RequestOutput]:
+        """A decode instance handed on the requests the rebalancing moves (``moves``: id -> (instance, rank)):
+        record what finished meanwhile, admit each forward where the plan put it. The instance keeps running."""
+        now = time.perf_counter()
+        finished = []
+        for out in outputs:
+            inst.rids.discard(out.request_id)
+            finished += self._finish(self.requests[out.request_id], out, now)
+        for f in forwards:
+            req = self.requests[f.request_id]
+            inst.rids.discard(req.rid)
+            if req.done is not None:
+                continue
+            self.stats.migrated += 1
+            self._take_forward(req, f)
+            self._route_decode(req, to=moves.get(req.rid))
+        inst.busy = inst.busy or bool(inst.rids)
         return finished
 
     def generate(self, prompts, sampling_params=None, timeout_s: float | None = None) -> list[RequestOutput]:

@@ -259,15 +259,22 @@ class DecodeInstance(_Role):
         return [RankLoad(len(s.running) + len(s.waiting), sum(r.num_tokens for r in (*s.running, *s.waiting)))
                 for s in self._schedulers()]
 
-    def forward_unfinished(self) -> tuple[list[RequestOutput], list[Forwarded]]:
-        """Going offline: finish the step in flight, then hand every unfinished request on (blocks to
-        the store, slot state in the handoff) and drop it here. Returns (requests that finished while
-        draining, the forwards)."""
+    def lengths(self) -> dict[str, int]:
+        """Every unfinished request's tokens (prompt + output so far: its KV length), by request id."""
+        return {r.request_id: r.num_tokens for s in self._schedulers() for r in (*s.running, *s.waiting)}
+
+    def forward_unfinished(self, request_ids=None) -> tuple[list[RequestOutput], list[Forwarded]]:
+        """Going offline (``request_ids=None``) or migrating some requests (those ids; ids not here are
+        ignored): finish the step in flight, then hand those unfinished requests on (blocks to the store,
+        slot state in the handoff) and drop them here; the others keep running from the next step.
+        Returns (requests that finished while draining, the forwards)."""
         finished = self.engine.drain()
         for out in finished:
             self.engine.requests.pop(out.request_id, None)
+        wanted = None if request_ids is None else set(request_ids)
         forwards = []
-        for r in [r for s in self._schedulers() for r in (*s.running, *s.waiting)]:
+        for r in [r for s in self._schedulers() for r in (*s.running, *s.waiting)
+                  if wanted is None or r.request_id in wanted]:
             t0 = time.perf_counter()
             data = None
             if r.output_ids and r.slot is not None and r.num_computed == r.num_tokens - 1 and not r.num_pending:
