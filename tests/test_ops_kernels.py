@@ -8,12 +8,15 @@ rows are caught by the interpreter's poisoned output buffers (NaN / INT_MIN; che
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from deepinfer_jax import compile_options
 from deepinfer_jax.model.attention import attend
 from deepinfer_jax.ops import dispatch, use_kernels
 from deepinfer_jax.ops.grouped_matmul import pallas as gmm_pallas
@@ -24,6 +27,15 @@ from deepinfer_jax.ops.mhc import pallas as mhc_pallas
 from deepinfer_jax.ops.mhc import reference as mhc_ref
 from deepinfer_jax.ops.sparse_attention import pallas as sa_pallas
 from deepinfer_jax.ops.sparse_attention import reference as sa_ref
+
+#: compile-bound: level 0 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("xla_cpu_level0")
+
+
+def _jit(fn, static_argnums=(), **kwargs):
+    """``fn`` with ``kwargs`` bound, compiled at the module's level (``compile_options.jit``): the kernels' own
+    ``jax.jit`` would compile them at XLA's default."""
+    return compile_options.jit(functools.partial(fn, **kwargs), static_argnums=static_argnums)
 
 
 def test_interpreter_poisons_unwritten_outputs():
@@ -71,8 +83,8 @@ def test_sparse_attention_kernel_matches_reference(mode, token_block):
     rng = np.random.default_rng({"decode": 10, "prefill": 20}[mode] + token_block)
     lengths = [1] * 5 if mode == "decode" else [int(x) for x in rng.integers(0, 7, 4)] + [3]  # ragged, a 0
     args = _attention_inputs(rng, lengths)
-    want = np.asarray(jax.jit(sa_ref.sparse_attention)(*args))
-    got = np.asarray(sa_pallas.sparse_attention(*args, interpret=True, token_block=token_block))
+    want = np.asarray(_jit(sa_ref.sparse_attention)(*args))
+    got = np.asarray(_jit(sa_pallas.sparse_attention, interpret=True, token_block=token_block)(*args))
     assert np.isfinite(want).all() and want.shape == got.shape == args[0].shape
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
@@ -82,17 +94,17 @@ def test_sparse_attention_reference_matches_model_attend():
     rng = np.random.default_rng(3)
     q, win, win_valid, pool, tables, token_req, topk, sink = _attention_inputs(rng, [3, 1, 4])
 
-    @jax.jit
+    @compile_options.jit
     def model_attend(q, win, win_valid, pool, tables, token_req, topk, sink):
         rows, valid = sa_ref.global_rows(pool, tables, token_req, topk)
         keys, ok = jnp.concatenate([win, rows], 1), jnp.concatenate([win_valid, valid], 1)
         return attend(q[None], keys[None], ok[None], sink)[0]
 
     want = np.asarray(model_attend(q, win, win_valid, pool, tables, token_req, topk, sink))
-    got = np.asarray(jax.jit(sa_ref.sparse_attention)(q, win, win_valid, pool, tables, token_req, topk, sink))
+    got = np.asarray(_jit(sa_ref.sparse_attention)(q, win, win_valid, pool, tables, token_req, topk, sink))
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
     # the entries really matter: dropping them changes the output
-    alone = np.asarray(jax.jit(sa_ref.sparse_attention)(q, win, win_valid, pool, tables, token_req, topk[:, :0], sink))
+    alone = np.asarray(_jit(sa_ref.sparse_attention)(q, win, win_valid, pool, tables, token_req, topk[:, :0], sink))
     assert np.abs(alone - want).max() > 1e-2
 
 
@@ -107,8 +119,8 @@ def test_indexer_scores_kernel_matches_reference():
     keys = rng.normal(size=(r, e, hd)).astype(np.float32)
     token_req = np.sort(rng.integers(0, r, n)).astype(np.int32)
     visible = np.arange(e) < rng.integers(0, e + 1, n)[:, None]
-    want = np.asarray(jax.jit(ix_ref.indexer_scores)(q, w, keys, token_req, visible))
-    got = np.asarray(ix_pallas.indexer_scores(q, w, keys, token_req, visible, interpret=True, token_block=4))
+    want = np.asarray(_jit(ix_ref.indexer_scores)(q, w, keys, token_req, visible))
+    got = np.asarray(_jit(ix_pallas.indexer_scores, interpret=True, token_block=4)(q, w, keys, token_req, visible))
     np.testing.assert_array_equal(np.isfinite(got), visible)
     np.testing.assert_allclose(got[visible], want[visible], atol=2e-6, rtol=1e-5)
 
@@ -124,8 +136,8 @@ def test_indexer_topk_kernel_matches_reference(mode):
     scores[np.arange(e) >= n_visible[:, None]] = -np.inf
     cand = rng.random((n, e)) < 0.5 if mode == "confined" else None
     args = (jnp.asarray(scores), jnp.asarray(n_visible), k, mode, None if cand is None else jnp.asarray(cand), 2, 4)
-    want_top, want_pool = jax.jit(ix_ref.indexer_topk, static_argnums=(2, 3, 5, 6))(*args)
-    got_top, got_pool = ix_pallas.indexer_topk(*args, interpret=True, token_block=4)
+    want_top, want_pool = _jit(ix_ref.indexer_topk, (2, 3, 5, 6))(*args)
+    got_top, got_pool = _jit(ix_pallas.indexer_topk, (2, 3, 5, 6), interpret=True, token_block=4)(*args)
     np.testing.assert_array_equal(np.asarray(got_top), np.asarray(want_top))
     assert (np.asarray(want_top) == -1).any() and (np.asarray(want_top) >= 0).any()
     if mode == "plain":
@@ -156,8 +168,9 @@ def test_grouped_matmul_kernel_matches_reference(sizes, row_block, col_block):
     for g, s in enumerate(sizes):
         oracle[start : start + s] = x[start : start + s] @ w[g].T
         start += s
-    want = np.asarray(jax.jit(gmm_ref.grouped_matmul)(x, w, sizes))
-    got = np.asarray(gmm_pallas.grouped_matmul(x, w, sizes, interpret=True, row_block=row_block, col_block=col_block))
+    want = np.asarray(_jit(gmm_ref.grouped_matmul)(x, w, sizes))
+    gmm = _jit(gmm_pallas.grouped_matmul, interpret=True, row_block=row_block, col_block=col_block)
+    got = np.asarray(gmm(x, w, sizes))
     np.testing.assert_allclose(want, oracle, atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(got, oracle, atol=1e-4, rtol=1e-5)  # rows past sum(sizes) are exactly zero too
 
@@ -183,7 +196,8 @@ def test_sorted_moe_experts_match_the_dense_experts():
     want = np.asarray(jnp.einsum("nei,edi->nd", dense, w2))
     act = functools.partial(swiglu, limit=limit)
     for gmm in (gmm_ref.grouped_matmul, functools.partial(gmm_pallas.grouped_matmul, interpret=True, row_block=8)):
-        got = jax.jit(lambda *a, gmm=gmm: gmm_ref.moe_experts(*a, act, gmm=gmm))(x, w1, w3, w2, ids, weights)
+        experts = compile_options.jit(lambda *a, gmm=gmm: gmm_ref.moe_experts(*a, act, gmm=gmm))
+        got = experts(x, w1, w3, w2, ids, weights)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
@@ -196,21 +210,23 @@ def test_mhc_kernels_match_reference():
     streams = rng.normal(size=(b, t, n, d)).astype(np.float32)
     fn = (rng.normal(size=(n * (n + 2), n * d)) * 0.1).astype(np.float32)
     base, scale = rng.normal(size=n * (n + 2)).astype(np.float32), rng.normal(size=3).astype(np.float32)
-    want = jax.jit(mhc_ref.mhc_mix, static_argnums=(4, 5, 6))(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    got = mhc_pallas.mhc_mix(streams, fn, base, scale, 20, 1e-6, 1e-6, interpret=True, row_block=3)
+    want = _jit(mhc_ref.mhc_mix, (4, 5, 6))(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    got = _jit(mhc_pallas.mhc_mix, (4, 5, 6), interpret=True, row_block=3)(streams, fn, base, scale, 20, 1e-6, 1e-6)
     for g, w_ in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w_), atol=1e-6, rtol=1e-5)
     pre, post, comb = (np.asarray(a) for a in want)
     np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-4)  # Sinkhorn: doubly stochastic
-    np.testing.assert_allclose(np.asarray(mhc_pallas.mhc_collapse(streams, pre, interpret=True, row_block=4)),
-                               np.asarray(jax.jit(mhc_ref.mhc_collapse)(streams, pre)), atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(_jit(mhc_pallas.mhc_collapse, interpret=True, row_block=4)(streams, pre)),
+                               np.asarray(_jit(mhc_ref.mhc_collapse)(streams, pre)), atol=1e-6, rtol=1e-5)
     lag = rng.random((b, t, n)).astype(np.float32)
-    fused = mhc_pallas.mhc_mix_collapse(streams, fn, base, scale, lag, 20, 1e-6, 1e-6, interpret=True, row_block=3)
-    for g, w_ in zip(fused, (*want, jax.jit(mhc_ref.mhc_collapse)(streams, lag)), strict=True):
+    mix_collapse = _jit(mhc_pallas.mhc_mix_collapse, (5, 6, 7), interpret=True, row_block=3)
+    fused = mix_collapse(streams, fn, base, scale, lag, 20, 1e-6, 1e-6)
+    for g, w_ in zip(fused, (*want, _jit(mhc_ref.mhc_collapse)(streams, lag)), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w_), atol=1e-6, rtol=1e-5)
     y = rng.normal(size=(b, t, d)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(mhc_pallas.mhc_expand(y, streams, post, comb, interpret=True, row_block=4)),
-                               np.asarray(jax.jit(mhc_ref.mhc_expand)(y, streams, post, comb)), atol=1e-6, rtol=1e-5)
+    expand = _jit(mhc_pallas.mhc_expand, interpret=True, row_block=4)
+    np.testing.assert_allclose(np.asarray(expand(y, streams, post, comb)),
+                               np.asarray(_jit(mhc_ref.mhc_expand)(y, streams, post, comb)), atol=1e-6, rtol=1e-5)
 
 
 def test_kernels_lower_to_triton_for_cuda(monkeypatch):
@@ -348,7 +364,7 @@ def _run_paged(cfg, params, setting):
             logit_rows=i32(np.cumsum([c for _, _, c in chunks]) - 1))
 
     with use_kernels(setting):
-        step = jax.jit(lambda p, c, x: paged_step(p, cfg, cache_cfg, c, x))
+        step = compile_options.jit(lambda p, c, x: paged_step(p, cfg, cache_cfg, c, x))
         cache = init_cache(cfg, cache_cfg)
         out1, cache = step(params, cache, inputs([(0, 0, 11), (1, 0, 4)]))
         out2, _ = step(params, cache, inputs([(0, 11, 1), (1, 4, 1)]))
@@ -374,7 +390,7 @@ def test_forward_through_pallas_kernels_matches_reference():
         candidate_source_layer_id=1, engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=(1,))
     params = init_params(cfg, seed=12)
     ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 12))
-    want = np.asarray(jax.jit(lambda p, x: forward_full(p, cfg, x))(params, ids))
+    want = np.asarray(compile_options.jit(lambda p, x: forward_full(p, cfg, x))(params, ids))
     with use_kernels("pallas_interpret"):
-        got = np.asarray(jax.jit(lambda p, x: forward_full(p, cfg, x))(params, ids))
+        got = np.asarray(compile_options.jit(lambda p, x: forward_full(p, cfg, x))(params, ids))
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
