@@ -174,18 +174,24 @@ def test_store_write_failure_makes_the_decode_side_recompute(ref, roles, monkeyp
     assert [got[f"w{i}"].outputs[0].token_ids for i in range(2)] == _tokens(_reference(ref, prompts))
 
 
-def test_forwarded_requests_continue_exactly(ref, roles):
-    """Scale-down: a decode instance hands its unfinished requests on mid-decode (here to itself)."""
+def _decoding(roles, prompts, sp, tag, steps):
+    """``prompts`` prefilled and handed to the decode instance, which runs ``steps`` steps: (it, outputs so far)."""
     p, d = roles
-    prompts = _prompts(5, (30, 45, 64))
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    results = _prefill(p, prompts, sp, tag="f")
+    results = _prefill(p, prompts, sp, tag=tag)
     for i, ids in enumerate(prompts):
-        d.add(ids, sp, f"f{i}", results[f"f{i}"].handoff)
+        d.add(ids, sp, f"{tag}{i}", results[f"{tag}{i}"].handoff)
     got = {}
-    for _ in range(6):
+    for _ in range(steps):
         for o in d.step():
             got[o.request_id] = o
+    return d, got
+
+
+def test_forwarded_requests_continue_exactly(ref, roles):
+    """Scale-down: a decode instance hands its unfinished requests on mid-decode (here to itself)."""
+    prompts = _prompts(5, (30, 45, 64))
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    d, got = _decoding(roles, prompts, sp, "f", 6)
     finished, forwards = d.forward_unfinished()
     got.update({o.request_id: o for o in finished})
     assert forwards and not d.has_unfinished
@@ -201,16 +207,9 @@ def test_forwarded_requests_continue_exactly(ref, roles):
 def test_forwarding_some_requests_leaves_the_others_running(ref, roles):
     """Rebalancing: the instance hands on only the requests named (ids it does not have are ignored); the
     others keep decoding there from the next step, and everything continues exactly."""
-    p, d = roles
     prompts = _prompts(6, (28, 47, 60))
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    results = _prefill(p, prompts, sp, tag="m")
-    for i, ids in enumerate(prompts):
-        d.add(ids, sp, f"m{i}", results[f"m{i}"].handoff)
-    got = {}
-    for _ in range(5):
-        for o in d.step():
-            got[o.request_id] = o
+    d, got = _decoding(roles, prompts, sp, "m", 5)
     lengths = d.lengths()
     assert set(lengths) == {"m0", "m1", "m2"} and all(lengths[f"m{i}"] > len(prompts[i]) + 1 for i in range(3))
     finished, forwards = d.forward_unfinished(["m1", "not-here"])

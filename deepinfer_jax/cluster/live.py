@@ -472,7 +472,7 @@ class Cluster:
             elif kind == "forward":
                 finished += self._forwarded(inst, *answer)
             elif kind == "migrate":
-                finished += self._migrated(inst, *answer, rest[1])
+                finished += self._handed_on(inst, *answer, rest[1])  # it keeps running
             else:
                 finished += self._answer(inst, answer)
         return finished
@@ -557,8 +557,11 @@ class Cluster:
                 self.stats.resumed_decode += 1
                 self._route_decode(req)
 
-    def _forwarded(self, inst: _Instance, outputs: list, forwards: list) -> list[RequestOutput]:
-        """A retiring decode instance answered: record what it finished, route the rest, stop it."""
+    def _handed_on(self, inst: _Instance, outputs: list, forwards: list, moves: dict | None = None
+                   ) -> list[RequestOutput]:
+        """A decode instance answered ``forward_unfinished``: record what finished while it drained, then route
+        each forward (``roles.Forwarded``) on from its handoff, else its tokens. ``moves`` (a rebalancing: id ->
+        (instance, rank)) puts each where the plan chose; None (going offline): the decode balancer does."""
         now = time.perf_counter()
         finished = []
         for out in outputs:
@@ -569,9 +572,23 @@ class Cluster:
             inst.rids.discard(req.rid)
             if req.done is not None:
                 continue
-            self.stats.forwarded += 1
-            self._take_forward(req, f)
-            self._route_decode(req)
+            if moves is None:
+                self.stats.forwarded += 1
+            else:
+                self.stats.migrated += 1
+            if f.handoff is not None:
+                req.handoff, req.output_ids = f.handoff, None
+                self.stats.handoff_bytes += len(f.handoff)
+                self.stats.handoff_s += f.handoff_s
+            else:
+                req.output_ids = f.output_ids or None
+                req.handoff = None if req.output_ids else req.handoff
+            self._route_decode(req, to=None if moves is None else moves.get(req.rid))
+        return finished
+
+    def _forwarded(self, inst: _Instance, outputs: list, forwards: list) -> list[RequestOutput]:
+        """A retiring decode instance answered: record what it finished, route the rest, stop it."""
+        finished = self._handed_on(inst, outputs, forwards)
         leftover = sorted(inst.rids)  # requests routed to it after the forward started: route them again
         inst.rids, inst.adds = set(), []
         inst.alive = inst.accepting = False
@@ -579,35 +596,6 @@ class Cluster:
         for rid in leftover:
             if self.requests[rid].done is None:
                 self._route_decode(self.requests[rid])
-        return finished
-
-    def _take_forward(self, req: _Req, f) -> None:
-        """What a forward (``roles.Forwarded``) continues ``req`` from: its handoff, else its tokens."""
-        if f.handoff is not None:
-            req.handoff, req.output_ids = f.handoff, None
-            self.stats.handoff_bytes += len(f.handoff)
-            self.stats.handoff_s += f.handoff_s
-        else:
-            req.output_ids = f.output_ids or None
-            req.handoff = None if req.output_ids else req.handoff
-
-    def _migrated(self, inst: _Instance, outputs: list, forwards: list, moves: dict) -> list[RequestOutput]:
-        """A decode instance handed on the requests the rebalancing moves (``moves``: id -> (instance, rank)):
-        record what finished meanwhile, admit each forward where the plan put it. The instance keeps running."""
-        now = time.perf_counter()
-        finished = []
-        for out in outputs:
-            inst.rids.discard(out.request_id)
-            finished += self._finish(self.requests[out.request_id], out, now)
-        for f in forwards:
-            req = self.requests[f.request_id]
-            inst.rids.discard(req.rid)
-            if req.done is not None:
-                continue
-            self.stats.migrated += 1
-            self._take_forward(req, f)
-            self._route_decode(req, to=moves.get(req.rid))
-        inst.busy = inst.busy or bool(inst.rids)
         return finished
 
     def generate(self, prompts, sampling_params=None, timeout_s: float | None = None) -> list[RequestOutput]:
