@@ -29,8 +29,9 @@ __all__ = ["ENV", "OFF_VALUES", "cache_dir", "enable", "reset_jax_cache", "resol
 
 ENV = "DEEPINFER_COMPILATION_CACHE"
 OFF_VALUES = ("off", "0", "false", "")
-#: Programs that compile faster than this are not worth a file (seconds).
-MIN_COMPILE_S = 0.2
+#: Programs that compile faster than this are not worth a file (seconds). Lower than JAX's 1 s: a random-weight
+#: model's ~30 initialisation programs take 0.02-0.2 s each, ~1.5 s of every new process's start (docs/startup.md §1).
+MIN_COMPILE_S = 0.02
 
 _lock = threading.Lock()
 _enabled_dir: list[str | None] = [None]

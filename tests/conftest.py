@@ -8,7 +8,7 @@ import pytest
 
 # Persistent XLA compilation cache: the model's jitted forward compiles once per machine.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.02")
 
 #: Seconds of test time per file in a fresh-clone run (2026-12-04, 2 workers), for the files over ~30 s. ``make test``
 #: hands pytest-xdist whole files (``--dist loadfile --no-loadscope-reorder``) in collection order, so they are
