@@ -340,6 +340,29 @@ def test_cluster_greedy_equals_colocated(ref, cluster):
     assert cluster.stats.exact >= len(prompts) and cluster.stats.handoff_bytes > 0 and not cluster.stats.recomputed
 
 
+def test_an_idle_cluster_step_waits_instead_of_spinning(cluster):
+    """Nothing in flight: ``step`` waits its timeout (it returned at once, and a caller's loop spun a core), or
+    only until a timer is due (here the rebalancing's tick)."""
+    from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings
+
+    end = time.perf_counter() + 120
+    while cluster.has_unfinished or any(i.call is not None for i in cluster._live()):  # an earlier test's leftovers
+        assert time.perf_counter() < end, "the cluster did not become idle"
+        cluster.step(timeout_s=0.1)
+    wall, cpu = time.perf_counter(), time.process_time()
+    assert cluster.step(timeout_s=0.2) == [] and cluster.step(timeout_s=0.2) == []
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert wall >= 0.38 and cpu < wall / 2, (wall, cpu)
+    cluster.enable_rebalance(RebalanceSettings(tick_s=0.05, max_moves=4, threshold=1.05, cooldown_s=60.0))
+    try:
+        cluster.step(timeout_s=0.1)  # plans (nothing to move), the next tick 0.05 s on
+        wall = time.perf_counter()
+        cluster.step(timeout_s=30.0)
+        assert time.perf_counter() - wall < 10.0  # woke for the tick, long before the timeout
+    finally:
+        cluster.enable_rebalance(None)
+
+
 def test_cluster_decode_actor_killed_mid_request(ref, cluster):
     cluster.add_instance("decode")
     prompts = _prompts(11, (20, 40, 60, 33))

@@ -455,6 +455,7 @@ class Cluster:
                 inst.call = ("work", inst.actor.work.remote(adds, self.budget_s), adds)
         calls = {inst.call[1]: inst for inst in self._live() if inst.call is not None}
         if not calls:
+            self._idle(now, timeout_s)
             return []
         finished = []
         for ref in answered(self._ray, list(calls), timeout_s):
@@ -476,6 +477,20 @@ class Cluster:
             else:
                 finished += self._answer(inst, answer)
         return finished
+
+    def _idle(self, now: float, timeout_s: float) -> None:
+        """Nothing in flight: wait ``timeout_s``, or less when a timer is due sooner (the autoscaler's tick, the
+        rebalancing's, a retiring instance's grace), as ``ray.wait`` would with calls. Returning at once made a
+        caller's ``while ...: step()`` loop spin a whole core while the cluster was idle."""
+        due = [now + timeout_s]
+        if self.scaler is not None:
+            due.append(self.scaler.last + self.scaler.settings.tick_s)
+        if self.rebalance is not None:
+            due.append(self._next_rebalance)
+        due += [i.retire_at for i in self._live("decode") if i.retire_at is not None]
+        delay = min(due) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
 
     def _answer(self, inst: _Instance, answer: dict) -> list[RequestOutput]:
         inst.busy = answer["busy"]
