@@ -32,6 +32,17 @@ def test_e4m3_bytes_decode_to_hand_computed_values():
     np.testing.assert_array_equal(got, [[1.0, 1.5, 2.0, -2.0, 448.0, 2.0**-9, 0.0, -0.0]])
 
 
+def test_every_e4m3_byte_decodes_as_ml_dtypes_casts_it():
+    """The loader decodes FP8 by a 256-entry table; each byte (both zeros, subnormals, NaN codes 0x7F/0xFF)
+    gives the bits ``astype(np.float32)`` gives, at unit scale and at a block's power-of-two scale."""
+    w = e4m3(np.arange(256), (8, 32))
+    want = w.astype(np.float32)
+    for scale_byte, factor in ((127, 1.0), (130, 8.0)):
+        got = Q.decode_fp8_blockwise(w, e8m0([[scale_byte]]))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), (want * np.float32(factor)).view(np.uint32))
+
+
 def test_ue8m0_bytes_mean_powers_of_two():
     got = Q.scale_to_float32(e8m0([127, 128, 125, 0, 254]))
     np.testing.assert_array_equal(got, [1.0, 2.0, 0.25, 2.0**-127, 2.0**127])
