@@ -43,25 +43,61 @@ def test_bad_start_up_settings_name_the_field(field, value):
 def test_engine_programs_compile_at_the_cpu_level_unless_xla_flags_or_the_variable_say_otherwise(monkeypatch):
     from deepinfer_jax import compile_options as co
 
-    level = lambda n: {"xla_backend_optimization_level": n}
+    dots = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    level = lambda n: {"xla_backend_optimization_level": n, **dots}
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     monkeypatch.delenv(co.ENV, raising=False)
+    monkeypatch.delenv(co.YNN_ENV, raising=False)
     assert co.compiler_options() == level(co.DEFAULT_CPU_LEVEL) == level(1)
     assert co.compiler_options("gpu") is None  # other backends keep XLA's defaults
     f = co.jit(lambda x: x * 2)
-    assert f.lower(jnp.ones(3))._lowering._compiler_options_kvs == (("xla_backend_optimization_level", 1),)
+    assert dict(f.lower(jnp.ones(3))._lowering._compiler_options_kvs) == level(1)
     monkeypatch.setenv(co.ENV, " 3 ")
     assert co.compiler_options() == level(3)
     monkeypatch.setenv(co.ENV, "default")
+    assert co.compiler_options() == dots
+    monkeypatch.setenv(co.YNN_ENV, "default")
     assert co.compiler_options() is None
     assert co.jit(lambda x: x * 2).lower(jnp.ones(3))._lowering._compiler_options_kvs == ()
+    monkeypatch.setenv(co.YNN_ENV, "dots")
     monkeypatch.setenv(co.ENV, "0")
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")  # the user's own flag wins
+    assert co.compiler_options() == dots
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2 --xla_cpu_experimental_ynn_fusion_type=-reduce")
     assert co.compiler_options() is None
     for bad in ("fast", "4", "-1"):
         monkeypatch.setenv(co.ENV, bad)
         with pytest.raises(ValueError, match=co.ENV):
             co.compiler_options()
+    monkeypatch.setenv(co.ENV, "1")
+    monkeypatch.setenv(co.YNN_ENV, "reduce")
+    with pytest.raises(ValueError, match=co.YNN_ENV):
+        co.compiler_options()
+
+
+def test_engine_programs_leave_reductions_to_xla_and_dots_to_ynnpack(monkeypatch):
+    """The option really reaches XLA:CPU: the mHC collapse's sum is XLA's own loop, the matmul stays a YNNPACK
+    fusion; with ``DEEPINFER_XLA_CPU_YNN=default`` the sum is a YNNPACK fusion too (XLA's default list)."""
+    from deepinfer_jax import compile_options as co
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the YNNPACK fusions are XLA:CPU's")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv(co.ENV, raising=False)
+
+    def fusions(fn, *args):
+        text = co.jit(fn).lower(*args).compile().as_text()
+        return sorted({line.split('op_name="jit(')[1].split("/")[1].split('"')[0].split(" ")[0]
+                       for line in text.splitlines() if "__ynn_fusion" in line and 'op_name="jit(' in line})
+
+    collapse = lambda pre, streams: jnp.max(jnp.sum(pre[..., None] * streams, axis=2), axis=-1)
+    matmul = lambda x, w: x @ w
+    args = (jnp.ones((1, 64, 4)), jnp.ones((1, 64, 4, 128)))
+    monkeypatch.delenv(co.YNN_ENV, raising=False)
+    assert fusions(collapse, *args) == []
+    assert fusions(matmul, jnp.ones((64, 128)), jnp.ones((128, 128))) == ["dot_general"]
+    monkeypatch.setenv(co.YNN_ENV, "default")
+    assert "reduce_max" in fusions(collapse, *args)
 
 
 _CHILD = textwrap.dedent("""
