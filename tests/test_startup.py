@@ -429,26 +429,25 @@ def test_program_log_prefetches_what_the_configuration_used_last_and_survives_a_
 
 
 def test_a_second_engine_of_the_same_settings_prefetches_its_step_programs(tmp_path, monkeypatch):
-    """End to end through ``LLM``, in a cache of its own (a program the shared cache answers is not stored)."""
+    """End to end through ``LLM``, in the suite's store (the programs may be there already: the engine's settings are
+    ``test_lazy_engine_compiles_on_first_use_then_never_again``'s), with a manifest of its own: a cost-model directory
+    no other engine uses makes the settings, and so the manifest's name, new."""
     from deepinfer_jax.runner import program_store
 
     taken = []
     take = program_store._take_prefetched
     monkeypatch.setattr(program_store, "_take_prefetched", lambda path: taken.append(take(path)) or taken[-1])
-    own = {**SETTINGS, "chunking": "tokens", "compilation_cache": str(tmp_path / "xla")}
-    suite_cache = jax.config.jax_compilation_cache_dir
-    try:
-        first = LLM("tiny", **own)
-        want = first.generate(PROMPTS, SP, use_tqdm=False)
-        assert len(first.program_log.entries()) >= 2  # the step's forward and sample programs, at least
-        assert not any(t is not None for t in taken)
-        again = LLM("tiny", **own)  # started loading them before the checkpoint
-        got = again.generate(PROMPTS, SP, use_tqdm=False)
-        assert sum(t is not None for t in taken) >= 2, taken
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        assert LLM("tiny", **{**own, "max_num_seqs": 3}).program_log.path() != first.program_log.path()
-    finally:
-        compile_cache.enable(suite_cache)  # back to the suite's cache
+    own = {**SETTINGS, "chunking": "tokens", "cost_model_dir": str(tmp_path)}
+    first = LLM("tiny", **own)
+    assert first.program_log.entries() == []  # no engine of these settings ran before: nothing to prefetch
+    want = first.generate(PROMPTS, SP, use_tqdm=False)
+    assert len(first.program_log.entries()) >= 2  # the step's forward and sample programs, at least
+    assert not any(t is not None for t in taken)
+    again = LLM("tiny", **own)  # started loading them before the checkpoint
+    got = again.generate(PROMPTS, SP, use_tqdm=False)
+    assert sum(t is not None for t in taken) >= 2, taken
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert LLM("tiny", **{**own, "max_num_seqs": 3}).program_log.path() != first.program_log.path()
 
 
 def test_lazy_block_buckets_pad_into_a_compiled_wider_table_until_one_is_wanted_often():
