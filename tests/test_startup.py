@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -437,6 +438,7 @@ def test_a_second_engine_of_the_same_settings_prefetches_its_step_programs(tmp_p
     taken = []
     take = program_store._take_prefetched
     monkeypatch.setattr(program_store, "_take_prefetched", lambda path: taken.append(take(path)) or taken[-1])
+    monkeypatch.setattr(program_store, "_prefetched", collections.OrderedDict())  # none left by earlier engines
     own = {**SETTINGS, "chunking": "tokens", "cost_model_dir": str(tmp_path)}
     first = LLM("tiny", **own)
     assert first.program_log.entries() == []  # no engine of these settings ran before: nothing to prefetch
