@@ -20,7 +20,9 @@ the reductions of these models are small (the mHC collapse sums 4 streams per to
 reduction cost about 0.36 ms each where XLA's loop takes a few microseconds. Measured on the shipped model with
 the demo's settings (docs/startup.md §7): the same 5 x 24 greedy tokens, a warm ``generate`` about 20% faster and
 a warm process's first one about 0.35 s shorter (each YNNPACK fusion also sets itself up at its first run).
-``DEEPINFER_XLA_CPU_YNN=default`` keeps XLA's list; a list given in ``XLA_FLAGS`` wins over both.
+``DEEPINFER_XLA_CPU_YNN=default`` keeps XLA's list; a list given in ``XLA_FLAGS`` wins over both. The option is
+XLA:CPU's as of jaxlib 0.10 (tested: ``tests/test_startup.py``); an XLA that lacks it refuses the compile with an
+error naming ``xla_cpu_experimental_ynn_fusion_type``, which ``DEEPINFER_XLA_CPU_YNN=default`` avoids.
 """
 
 from __future__ import annotations
