@@ -92,25 +92,32 @@ def test_async_on_and_off_give_identical_outputs(llm):
 
 
 def test_jitted_generate_equals_the_engine(llm, params):
-    """A user's own ``jax.jit(generate)`` over a [B, T] batch with per-row lengths and [B] sampling settings (the
-    shapes ``generate_ragged`` uses for these prompts, so the persistent compilation cache shares the program
-    with the next test): greedy rows equal the engine's; new settings and keys reuse the one program."""
+    """A user's own ``jax.jit(generate)`` over a [B, T] batch with per-row lengths, [B] sampling settings and a
+    run-time token count (the shapes ``generate_ragged`` uses for these prompts, so the persistent compilation
+    cache shares the program with the next test): greedy rows equal the engine's; the columns past the count
+    hold -1; new settings, keys and counts reuse the one program."""
     prompts = _prompts(7, 3, 3, 40)
     ids, lens = pad_prompts(prompts, batch_to=4)
     gen = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
+    width = generate_module.new_tokens_width(6)
 
-    def run(key, temperature):
+    def run(key, temperature, count=6):
         settings = (np.full(4, temperature, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32),
                     np.zeros(4, np.float32))
-        return np.asarray(gen(params, CFG, ids, jax.random.key(key), 6, *settings, prompt_lengths=lens,
-                              stop_at_eos=False))[:3].tolist()
+        out = np.asarray(gen(params, CFG, ids, jax.random.key(key), width, *settings, prompt_lengths=lens,
+                             new_tokens=count, stop_at_eos=False))[:3]
+        assert (out[:, count:] == -1).all() and (out[:, :count] >= 0).all()
+        return out[:, :count].tolist()
 
     toks = run(0, 0.0)
     assert gen._cache_size() == 1
     assert toks == _ids(_run(llm, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
     sampled, again = run(1, 1.0), run(1, 1.0)  # other settings and key: the same compiled program
     assert sampled == again and sampled != toks
-    assert gen._cache_size() == 1
+    longer = run(0, 0.0, count=9)  # another count: the same program, and the first 6 tokens as before
+    assert [row[:6] for row in longer] == toks and gen._cache_size() == 1
+    with pytest.raises(ValueError, match="new_tokens must lie in"):  # checked where it is known (not traced)
+        generate(params, CFG, ids, jax.random.key(0), width, prompt_lengths=lens, new_tokens=width + 1)
 
 
 def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompile(llm, params):
@@ -126,16 +133,23 @@ def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompi
                               top_k=20, stop_at_eos=False)
     assert generate_module._jitted._cache_size() == compiled, "new sampling settings recompiled"
     assert sampled[0] == want[0] and sampled[1:] != want[1:]  # the greedy row stays greedy
+    # another token count within the program's width (64): no recompile, and the same first tokens
+    longer = generate_ragged(params, CFG, prompts, 20, stop_at_eos=False)
+    assert generate_module._jitted._cache_size() == compiled, "another max_new_tokens recompiled"
+    assert [len(r) for r in longer] == [20] * 3 and [r[:6] for r in longer] == want
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+            generate_ragged(params, CFG, prompts, bad)
     ids, lens = pad_prompts(prompts)
     assert ids.shape[1] % 16 == 0 and lens.tolist() == [len(p) for p in prompts]
     # a rectangular [B, T] batch with per-row lengths through the same jitted ``generate`` (the batch padded to
     # the ragged call's 4 rows and the settings given as [B] arrays, so the program above serves it)
     ids, lens = pad_prompts(prompts, batch_to=4)
     greedy = (np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32), np.zeros(4, np.float32))
-    rect = np.asarray(generate_module._jitted(params, CFG, ids, jax.random.key(0), 6, *greedy, prompt_lengths=lens,
-                                              storage="quantized", stop_at_eos=False))
+    rect = np.asarray(generate_module._jitted(params, CFG, ids, jax.random.key(0), 64, *greedy, prompt_lengths=lens,
+                                              new_tokens=6, storage="quantized", stop_at_eos=False))
     assert generate_module._jitted._cache_size() == compiled
-    assert rect[:3].tolist() == want
+    assert rect[:3, :6].tolist() == want
 
 
 @pytest.mark.parametrize("bad, field", [([], "at least one"), ([[1, 2], []], "prompts[1]"), ([[1, 2.5]], "prompts[0]"),

@@ -10,10 +10,14 @@ or, with ragged prompts as lists and one compiled program for every sampling set
 
 It builds a per-batch paged cache (one slot and a fixed run of blocks per row), prefills all rows
 in one flat step (the padding after a row's prompt is marked invalid: it writes nothing and no
-real token sees it), samples, and runs the decode steps in a ``lax.fori_loop``, each row at its
+real token sees it), samples, and runs the decode steps in a ``lax.while_loop``, each row at its
 own positions; every step is the engine's ``paged_step`` and sampler, so greedy results equal the
 engine's for each prompt alone. After a row emits the end-of-sequence token its later tokens are
 ``cfg.eos_token_id`` too (``stop_at_eos``).
+
+The number of steps may be an array (``new_tokens``): one compiled program then serves every count up
+to its static ``max_new_tokens``. ``generate_ragged`` uses that: it compiles for a width of 64, 128,
+256, ... tokens and passes the count, so asking for 16 tokens and then for 40 runs the same program.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.model.paged import StepInputs, paged_step
 from deepinfer_jax.model.sampler import sample_tokens
 
-__all__ = ["generate", "generate_ragged", "pad_prompts"]
+__all__ = ["generate", "generate_ragged", "new_tokens_width", "pad_prompts"]
 
 
 def _cache_config(cfg, batch: int, total: int, storage: str) -> CacheConfig:
@@ -44,21 +48,28 @@ def _cache_config(cfg, batch: int, total: int, storage: str) -> CacheConfig:
 
 def generate(params, cfg, prompt_token_ids: jax.Array, key: jax.Array, max_new_tokens: int,
              temperature: float | jax.Array = 0.0, top_p: float | jax.Array = 1.0, top_k: int | jax.Array = 0,
-             min_p: float | jax.Array = 0.0, *, prompt_lengths: jax.Array | None = None, storage: str = "quantized",
+             min_p: float | jax.Array = 0.0, *, prompt_lengths: jax.Array | None = None,
+             new_tokens: int | jax.Array | None = None, storage: str = "quantized",
              stop_at_eos: bool = True) -> jax.Array:
     """Generate ``max_new_tokens`` tokens after each row of ``prompt_token_ids`` [B, T] (int).
 
     ``prompt_lengths`` [B] (int, 1..T): row b's prompt is its first ``prompt_lengths[b]`` ids, the rest
     is padding the model never sees (None = every row is T long). ``key``: a ``jax.random.key``; row
     b's token i uses ``fold_in(fold_in(key, b), i)``. Sampling settings are scalars or [B] arrays
-    (temperature 0 = greedy). Returns int32 [B, max_new_tokens]. ``cfg``, ``max_new_tokens``,
-    ``storage`` and ``stop_at_eos`` are static.
+    (temperature 0 = greedy). ``new_tokens`` (an int or an int array, 1..max_new_tokens; None = all):
+    generate only that many, a run-time count, so one compiled program serves every count; the
+    columns from ``new_tokens`` on hold -1. Returns int32 [B, max_new_tokens]. ``cfg``,
+    ``max_new_tokens``, ``storage`` and ``stop_at_eos`` are static; a traced ``new_tokens`` is
+    clipped to 1..max_new_tokens.
     """
     compile_cache.enable()  # runs while jit traces, before it compiles: the program lands in the disk cache
     ids = jnp.asarray(prompt_token_ids, jnp.int32)
     batch, t = ids.shape
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(new_tokens, (int, np.integer)) and not 1 <= new_tokens <= max_new_tokens:
+        raise ValueError(f"new_tokens must lie in [1, max_new_tokens={max_new_tokens}], got {new_tokens}")
+    count = max_new_tokens if new_tokens is None else jnp.clip(jnp.asarray(new_tokens, jnp.int32), 1, max_new_tokens)
     cc = _cache_config(cfg, batch, t + max_new_tokens, storage)
     per_row = cc.max_blocks_per_request
     tables = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
@@ -82,10 +93,10 @@ def generate(params, cfg, prompt_token_ids: jax.Array, key: jax.Array, max_new_t
                          window_floor=jnp.zeros(batch, jnp.int32), global_write_from=jnp.zeros(batch, jnp.int32))
     logits, cache = paged_step(params, cfg, cc, init_cache(cfg, cc), prefill)
     first = pick(logits, 0)
-    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
 
-    def body(i, carry):
-        cache, out, done = carry
+    def body(carry):
+        i, cache, out, done = carry
         last = out[:, i - 1]
         pos = lens + i - 1
         step = StepInputs(token_ids=last, positions=pos, token_req=rows, token_valid=jnp.ones(batch, bool),
@@ -96,15 +107,25 @@ def generate(params, cfg, prompt_token_ids: jax.Array, key: jax.Array, max_new_t
         tok = pick(logits, i)
         done = done | (stop_at_eos & (last == cfg.eos_token_id))
         tok = jnp.where(done, cfg.eos_token_id, tok)
-        return cache, out.at[:, i].set(tok), done
+        return i + 1, cache, out.at[:, i].set(tok), done
 
-    _, out, _ = jax.lax.fori_loop(1, max_new_tokens, body, (cache, out, jnp.zeros(batch, bool)))
+    start = (jnp.int32(1), cache, out, jnp.zeros(batch, bool))
+    _, _, out, _ = jax.lax.while_loop(lambda carry: carry[0] < count, body, start)
     return out
 
 
 #: Prompt lengths are padded up to a multiple of this (and batches to a power of two), so that
 #: prompts of nearby lengths share one compiled program.
 PAD_MULTIPLE = 16
+
+#: ``generate_ragged`` compiles for this many new tokens at least, and for the next power of two above it
+#: when asked for more; the count itself is a run-time argument (``generate(..., new_tokens=...)``).
+MIN_NEW_TOKENS_WIDTH = 64
+
+
+def new_tokens_width(max_new_tokens: int) -> int:
+    """The output width ``generate_ragged`` compiles for ``max_new_tokens``: 64, 128, 256, ..."""
+    return max(MIN_NEW_TOKENS_WIDTH, 1 << (int(max_new_tokens) - 1).bit_length())
 
 _jitted = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
 
@@ -138,11 +159,16 @@ def pad_prompts(prompts, vocab_size: int | None = None, multiple: int = PAD_MULT
 def generate_ragged(params, cfg, prompts, max_new_tokens: int, *, key: jax.Array | None = None,
                     temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, storage: str = "quantized",
                     stop_at_eos: bool = True) -> list[list[int]]:
-    """``generate`` for ragged prompts, compiled once per (padded shape, ``max_new_tokens``, ``storage``,
-    ``stop_at_eos``): the sampling settings (scalars or one per prompt) always enter as [B] arrays, so
-    changing them never recompiles. Prompts are padded (``pad_prompts``: lengths to a multiple of 16,
-    the batch to a power of two) and the padding never reaches the model. Returns each prompt's
-    ``max_new_tokens`` new token ids (after an end-of-sequence token: ``cfg.eos_token_id``, as ``generate``)."""
+    """``generate`` for ragged prompts, compiled once per (padded shape, output width, ``storage``,
+    ``stop_at_eos``): the sampling settings (scalars or one per prompt) always enter as [B] arrays and
+    ``max_new_tokens`` as the run-time count of a program 64, 128, 256, ... tokens wide
+    (``new_tokens_width``), so changing either never recompiles within a width. Prompts are padded
+    (``pad_prompts``: lengths to a multiple of 16, the batch to a power of two) and the padding never
+    reaches the model. Returns each prompt's ``max_new_tokens`` new token ids (after an end-of-sequence
+    token: ``cfg.eos_token_id``, as ``generate``). ``ValueError`` naming ``max_new_tokens`` unless it is
+    an int >= 1."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     n = len(prompts)
     ids, lens = pad_prompts(prompts, cfg.vocab_size, batch_to=1 << max(0, (max(n, 1) - 1).bit_length()))
     b = ids.shape[0]
@@ -158,6 +184,6 @@ def generate_ragged(params, cfg, prompts, max_new_tokens: int, *, key: jax.Array
     settings = (per_row(temperature, "temperature", np.float32), per_row(top_p, "top_p", np.float32),
                 per_row(top_k, "top_k", np.int32), per_row(min_p, "min_p", np.float32))
     key = jax.random.key(0) if key is None else key
-    out = _jitted(params, cfg, ids, key, max_new_tokens, *settings, prompt_lengths=lens, storage=storage,
-                  stop_at_eos=stop_at_eos)
-    return np.asarray(out)[:n].tolist()
+    out = _jitted(params, cfg, ids, key, new_tokens_width(max_new_tokens), *settings, prompt_lengths=lens,
+                  new_tokens=int(max_new_tokens), storage=storage, stop_at_eos=stop_at_eos)
+    return np.asarray(out)[:n, :max_new_tokens].tolist()
