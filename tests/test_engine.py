@@ -152,6 +152,11 @@ def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompi
     assert rect[:3, :6].tolist() == want
 
 
+def test_generate_ragged_compiles_64_128_256_wide_programs():
+    widths = [generate_module.new_tokens_width(n) for n in (1, 24, 64, 65, 128, 129, 300)]
+    assert widths == [64, 64, 64, 128, 128, 256, 512]
+
+
 @pytest.mark.parametrize("bad, field", [([], "at least one"), ([[1, 2], []], "prompts[1]"), ([[1, 2.5]], "prompts[0]"),
                                         ([[1, 10**6]], "prompts[0]")])
 def test_pad_prompts_names_the_bad_row(bad, field):
