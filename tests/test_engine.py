@@ -140,6 +140,9 @@ def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompi
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
             generate_ragged(params, CFG, prompts, bad)
+    room = CFG.max_position_embeddings - max(len(p) for p in prompts)
+    with pytest.raises(ValueError, match=f"max_new_tokens must fit the model's context.* at most {room} new"):
+        generate_ragged(params, CFG, prompts, room + 1)  # refused before anything compiles
     ids, lens = pad_prompts(prompts)
     assert ids.shape[1] % 16 == 0 and lens.tolist() == [len(p) for p in prompts]
     # a rectangular [B, T] batch with per-row lengths through the same jitted ``generate`` (the batch padded to

@@ -166,12 +166,19 @@ def generate_ragged(params, cfg, prompts, max_new_tokens: int, *, key: jax.Array
     (``pad_prompts``: lengths to a multiple of 16, the batch to a power of two) and the padding never
     reaches the model. Returns each prompt's ``max_new_tokens`` new token ids (after an end-of-sequence
     token: ``cfg.eos_token_id``, as ``generate``). ``ValueError`` naming ``max_new_tokens`` unless it is
-    an int >= 1."""
+    an int >= 1 that fits the model's context with the longest prompt (``cfg.max_position_embeddings``); the
+    width never reaches past that context."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     n = len(prompts)
     ids, lens = pad_prompts(prompts, cfg.vocab_size, batch_to=1 << max(0, (max(n, 1) - 1).bit_length()))
     b = ids.shape[0]
+    context = cfg.max_position_embeddings
+    if int(lens.max()) + max_new_tokens > context:
+        raise ValueError(f"max_new_tokens must fit the model's context: the longest prompt has {int(lens.max())} "
+                         f"tokens, so at most {context - int(lens.max())} new ones (max_position_embeddings "
+                         f"{context}), got {max_new_tokens}")
+    width = max(int(max_new_tokens), min(new_tokens_width(max_new_tokens), context - ids.shape[1]))
 
     def per_row(value, name, dtype):
         arr = np.asarray(value, dtype)
@@ -184,6 +191,6 @@ def generate_ragged(params, cfg, prompts, max_new_tokens: int, *, key: jax.Array
     settings = (per_row(temperature, "temperature", np.float32), per_row(top_p, "top_p", np.float32),
                 per_row(top_k, "top_k", np.int32), per_row(min_p, "min_p", np.float32))
     key = jax.random.key(0) if key is None else key
-    out = _jitted(params, cfg, ids, key, new_tokens_width(max_new_tokens), *settings, prompt_lengths=lens,
+    out = _jitted(params, cfg, ids, key, width, *settings, prompt_lengths=lens,
                   new_tokens=int(max_new_tokens), storage=storage, stop_at_eos=stop_at_eos)
     return np.asarray(out)[:n, :max_new_tokens].tolist()
