@@ -123,9 +123,13 @@ PAD_MULTIPLE = 16
 MIN_NEW_TOKENS_WIDTH = 64
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def new_tokens_width(max_new_tokens: int) -> int:
     """The output width ``generate_ragged`` compiles for ``max_new_tokens``: 64, 128, 256, ..."""
-    return max(MIN_NEW_TOKENS_WIDTH, 1 << (int(max_new_tokens) - 1).bit_length())
+    return max(MIN_NEW_TOKENS_WIDTH, _pow2_at_least(max_new_tokens))
 
 _jitted = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
 
@@ -171,13 +175,13 @@ def generate_ragged(params, cfg, prompts, max_new_tokens: int, *, key: jax.Array
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     n = len(prompts)
-    ids, lens = pad_prompts(prompts, cfg.vocab_size, batch_to=1 << max(0, (max(n, 1) - 1).bit_length()))
+    ids, lens = pad_prompts(prompts, cfg.vocab_size, batch_to=_pow2_at_least(n))
     b = ids.shape[0]
-    context = cfg.max_position_embeddings
-    if int(lens.max()) + max_new_tokens > context:
-        raise ValueError(f"max_new_tokens must fit the model's context: the longest prompt has {int(lens.max())} "
-                         f"tokens, so at most {context - int(lens.max())} new ones (max_position_embeddings "
-                         f"{context}), got {max_new_tokens}")
+    context, longest = cfg.max_position_embeddings, int(lens.max())
+    if longest + max_new_tokens > context:
+        raise ValueError(f"max_new_tokens must fit the model's context: the longest prompt has {longest} tokens, "
+                         f"so at most {context - longest} new ones (max_position_embeddings {context}), "
+                         f"got {max_new_tokens}")
     width = max(int(max_new_tokens), min(new_tokens_width(max_new_tokens), context - ids.shape[1]))
 
     def per_row(value, name, dtype):
