@@ -17,8 +17,10 @@ what the cold run left. Rows:
   recomputing the full forward per token (the port has no KV cache); it reports how many of its
   tokens equal ours.
 - ``generate_ragged``: the jitted notebook entry point, the same prompts as ragged rows; first call
-  (compile + run), a second call with other sampling settings and a third asking for twice the tokens
-  (neither recompiles: the settings are arrays, the token count a run-time argument).
+  (compile, or in a warm process load from the program store, + run), a second call with other sampling
+  settings and a third asking for twice the tokens (neither recompiles: the settings are arrays, the token
+  count a run-time argument); its first call again without the program store (``DEEPINFER_PROGRAM_STORE=off``,
+  caches of its own: a warm process traces and reads the compilation cache).
 - Per bucket: trace, compile time and optimized-HLO size of one plain step bucket (64 tokens, 4
   requests) and one speculative step bucket, for this tree and for ``--baseline-rev`` (the commit
   before the start-up work: Sinkhorn rounds unrolled, every bucket compiled up front), checked out
@@ -237,17 +239,22 @@ def main() -> None:
             rows.append((f"process start -> demo's 5 x {MAX_TOKENS} tokens", "-", r["tokens_at_s"],
                          f"NeMo eager (torch CPU); {same}/5 outputs equal ours"))
             print(f"  nemo: tokens at {r['tokens_at_s']:.1f} s", flush=True)
-        gen_env = {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate"))}
-        for temp in ("cold", "warm"):
-            r = run_child("generate", env=gen_env)
-            results[f"generate_{temp}"] = r
-            same = sum(a == b for a, b in zip(r["tokens"], ours))
-            rows.append(("generate_ragged first call (compile + run)", temp, r["first_call_s"],
-                         f"{same}/5 outputs equal the engine's"))
-            rows.append(("generate_ragged, other sampling settings", temp, r["second_call_s"], "no recompile"))
-            rows.append((f"generate_ragged, {2 * MAX_TOKENS} tokens instead of {MAX_TOKENS}", temp, r["longer_call_s"],
-                         "no recompile"))
-            print(f"  generate {temp}: first call {r['first_call_s']:.1f} s", flush=True)
+        # generate_ragged, and beside it without the program store (the warm process traces and reads the cache)
+        for label, gen_env in (("", {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate"))}),
+                               (", no store", {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate-nostore")),
+                                               "DEEPINFER_PROGRAM_STORE": "off"})):
+            for temp in ("cold", "warm"):
+                r = run_child("generate", env=gen_env)
+                results[f"generate_{temp}{label.replace(', ', '_').replace(' ', '')}"] = r
+                same = sum(a == b for a, b in zip(r["tokens"], ours))
+                rows.append(("generate_ragged first call (compile or load + run)", temp + label, r["first_call_s"],
+                             f"{same}/5 outputs equal the engine's"))
+                print(f"  generate {temp}{label}: first call {r['first_call_s']:.1f} s", flush=True)
+                if label:
+                    continue
+                rows.append(("generate_ragged, other sampling settings", temp, r["second_call_s"], "no recompile"))
+                rows.append((f"generate_ragged, {2 * MAX_TOKENS} tokens instead of {MAX_TOKENS}", temp,
+                             r["longer_call_s"], "no recompile"))
         trees = [("this tree", None)]
         if not args.skip_baseline:
             wt = Path(tmp, "baseline")

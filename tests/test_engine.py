@@ -128,14 +128,15 @@ def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompi
     want = [_ids(_run(llm, [p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))[0] for p in prompts]
     got = generate_ragged(params, CFG, prompts, 6, stop_at_eos=False)
     assert got == want
-    compiled = generate_module._jitted._cache_size()
+    program = generate_module._ragged_program()  # its programs, stored (runner/program_store.StoredLowering)
+    assert program.programs == 1
     sampled = generate_ragged(params, CFG, prompts, 6, key=jax.random.key(3), temperature=[0.0, 1.0, 1.0], top_p=0.9,
                               top_k=20, stop_at_eos=False)
-    assert generate_module._jitted._cache_size() == compiled, "new sampling settings recompiled"
+    assert program.programs == 1, "new sampling settings recompiled"
     assert sampled[0] == want[0] and sampled[1:] != want[1:]  # the greedy row stays greedy
     # another token count within the program's width (64): no recompile, and the same first tokens
     longer = generate_ragged(params, CFG, prompts, 9, stop_at_eos=False)
-    assert generate_module._jitted._cache_size() == compiled, "another max_new_tokens recompiled"
+    assert program.programs == 1, "another max_new_tokens recompiled"
     assert [len(r) for r in longer] == [9] * 3 and [r[:6] for r in longer] == want
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
@@ -145,13 +146,12 @@ def test_ragged_generate_equals_the_engine_per_prompt_and_settings_never_recompi
         generate_ragged(params, CFG, prompts, room + 1)  # refused before anything compiles
     ids, lens = pad_prompts(prompts)
     assert ids.shape[1] % 16 == 0 and lens.tolist() == [len(p) for p in prompts]
-    # a rectangular [B, T] batch with per-row lengths through the same jitted ``generate`` (the batch padded to
-    # the ragged call's 4 rows and the settings given as [B] arrays, so the program above serves it)
+    # a rectangular [B, T] batch with per-row lengths through the public jitted ``generate`` (the batch padded to
+    # the ragged call's 4 rows and the settings given as [B] arrays: the same program)
     ids, lens = pad_prompts(prompts, batch_to=4)
     greedy = (np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32), np.zeros(4, np.float32))
     rect = np.asarray(generate_module._jitted(params, CFG, ids, jax.random.key(0), 64, *greedy, prompt_lengths=lens,
                                               new_tokens=6, storage="quantized", stop_at_eos=False))
-    assert generate_module._jitted._cache_size() == compiled
     assert rect[:3, :6].tolist() == want
 
 

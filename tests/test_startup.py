@@ -321,6 +321,53 @@ def test_program_store_traces_once_per_machine_and_loads_the_same_program(tmp_pa
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), plain, second))
 
 
+def test_stored_lowering_stores_the_public_jits_program_and_loads_it_in_a_new_process(tmp_path, monkeypatch):
+    """``StoredLowering`` (``generate_ragged``'s store): a miss compiles through the public jit itself and stores
+    it; a new process loads it without tracing, computes bit-identical results for other run-time values
+    (a PRNG key, a dynamic keyword), and static arguments and shapes select files of their own. A compilation
+    cache of its own (the suite's may answer the compile, and an answered compile is not stored)."""
+    from deepinfer_jax.runner.program_store import StoredLowering
+
+    monkeypatch.delenv("DEEPINFER_PROGRAM_STORE", raising=False)
+    traced = []
+
+    def jit():  # a new function each time, as in a new process (JAX shares traces between jits of one function)
+        def fn(x, scale, key, *, count=1, negate=False):
+            traced.append(1)
+            y = (x * scale + jax.random.normal(key, x.shape)) * count
+            return {"y": -y if negate else y, "n": count + 1}
+
+        return jax.jit(fn, static_argnames=("scale", "negate")), fn
+
+    make = lambda: StoredLowering(*jit(), "toy_lowering", ("scale", "negate"))
+    plain = jit()[0]
+    files = lambda: sorted((tmp_path / "xla-programs").iterdir())
+    x, key = jnp.linspace(-1.0, 1.0, 6), jax.random.key(4)
+    suite_cache, min_s = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        compile_cache.enable(str(tmp_path / "xla"))
+        first = make()
+        out = first(x, 2.0, key, count=3, negate=True)
+        assert len(traced) == 1 and len(files()) == 1 and first.programs == 1
+        # compiled as a user's own ``jax.jit(fn)`` is (its module, with the compilation cache on): that jit finds it
+        assert "jit_fn" in {p.name.split("-")[0] for p in (tmp_path / "xla").iterdir()}
+        again = make()  # a new process
+        for count, k in ((3, key), (5, jax.random.key(9))):  # run-time values, the same program
+            got, want = again(x, 2.0, k, count=count, negate=True), plain(x, 2.0, k, count=count, negate=True)
+            assert np.array_equal(got["y"], want["y"]) and int(got["n"]) == count + 1
+        assert np.array_equal(out["y"], again(x, 2.0, key, count=3, negate=True)["y"])
+        assert len(traced) == 2 and again.programs == 1  # loaded: only the plain jit traced
+        again(x, 3.0, key, count=3, negate=True)  # another static argument
+        again(x[:4], 2.0, key, count=3, negate=True)  # another shape
+        assert len(traced) == 4 and len(files()) == 3 and again.programs == 3
+        monkeypatch.setenv("DEEPINFER_PROGRAM_STORE", "off")
+        assert np.array_equal(make()(x, 2.0, key, count=3, negate=True)["y"], out["y"]) and len(files()) == 3
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
+        compile_cache.enable(suite_cache)  # back to the suite's cache
+
+
 def test_program_store_keeps_only_programs_compiled_in_this_process(tmp_path, monkeypatch):
     """A compile answered by the compilation cache is not stored (its executable does not serialize
     again faithfully on XLA:CPU); the program still runs, and a real compile of it is stored."""

@@ -131,7 +131,20 @@ def new_tokens_width(max_new_tokens: int) -> int:
     """The output width ``generate_ragged`` compiles for ``max_new_tokens``: 64, 128, 256, ..."""
     return max(MIN_NEW_TOKENS_WIDTH, _pow2_at_least(max_new_tokens))
 
-_jitted = jax.jit(generate, static_argnames=("cfg", "max_new_tokens", "storage", "stop_at_eos"))
+_STATIC = ("cfg", "max_new_tokens", "storage", "stop_at_eos")
+_jitted = jax.jit(generate, static_argnames=_STATIC)
+_stored = []  # generate_ragged's ``StoredLowering`` of ``_jitted``, made at its first call
+
+
+def _ragged_program():
+    """``_jitted`` with its programs kept in the program store (``runner.program_store.StoredLowering``): a warm
+    process loads the compiled ``generate`` instead of tracing it; a user's ``jax.jit(generate)`` with the same
+    arguments still finds the program in the compilation cache."""
+    if not _stored:
+        from deepinfer_jax.runner.program_store import stored_lowering
+
+        _stored.append(stored_lowering(_jitted, generate, "generate_ragged", _STATIC))
+    return _stored[0]
 
 
 def pad_prompts(prompts, vocab_size: int | None = None, multiple: int = PAD_MULTIPLE,
@@ -195,6 +208,7 @@ def generate_ragged(params, cfg, prompts, max_new_tokens: int, *, key: jax.Array
     settings = (per_row(temperature, "temperature", np.float32), per_row(top_p, "top_p", np.float32),
                 per_row(top_k, "top_k", np.int32), per_row(min_p, "min_p", np.float32))
     key = jax.random.key(0) if key is None else key
-    out = _jitted(params, cfg, ids, key, width, *settings, prompt_lengths=lens,
-                  new_tokens=int(max_new_tokens), storage=storage, stop_at_eos=stop_at_eos)
+    compile_cache.enable()
+    out = _ragged_program()(params, cfg, ids, key, width, *settings, prompt_lengths=lens,
+                            new_tokens=int(max_new_tokens), storage=storage, stop_at_eos=stop_at_eos)
     return np.asarray(out)[:n, :max_new_tokens].tolist()

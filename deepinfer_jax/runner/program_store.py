@@ -19,6 +19,10 @@ kernel switch never reuses a stale program; an unreadable file is compiled again
 cannot see is a function of the package replaced at run time (a monkeypatch): run such experiments
 with the store off.
 
+``StoredLowering`` does the same for a public ``jax.jit`` (``generate_ragged``'s ``generate``): it compiles
+through that jit with the compilation cache on, so the program and its cache entry are the ones a user's own
+``jax.jit`` of the function gets; a compile the cache answered is run but not stored.
+
 **On by default** wherever the compilation cache is on; ``DEEPINFER_PROGRAM_STORE=off`` turns it
 off, and it is off for arguments spread over more than one device (those programs take the plain
 jit and the compilation cache). ``on_build`` is called when a program is loaded instead of traced,
@@ -42,6 +46,7 @@ import collections
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import os
 import pickle
@@ -55,7 +60,7 @@ import jax
 
 from deepinfer_jax import compile_cache, compile_options
 
-__all__ = ["ENV", "ProgramLog", "StoredJit", "stored_jit"]
+__all__ = ["ENV", "ProgramLog", "StoredJit", "StoredLowering", "stored_jit", "stored_lowering"]
 
 ENV = "DEEPINFER_PROGRAM_STORE"
 
@@ -423,3 +428,57 @@ def stored_jit(fn: Callable, name: str, static_argnums: Sequence[int] = (), dona
                on_build: Callable[[], None] | None = None, log: ProgramLog | None = None) -> StoredJit:
     """``StoredJit(...)``: see the module docstring."""
     return StoredJit(fn, name, static_argnums, donate_argnums, on_build, log)
+
+
+class StoredLowering:
+    """A public ``jax.jit`` of ``fn`` (``jitted``, static arguments named ``static``) with its programs stored like
+    ``StoredJit``'s, but built through that jit itself: a store miss runs ``jitted.lower(...).compile()`` with the
+    compilation cache on, so the program is the very one a user's own ``jax.jit`` of ``fn`` with the same
+    arguments gets, and the cache entry it leaves serves that user's jit (``generate_ragged`` and the notebook's
+    ``jax.jit(generate)``). A program that came from the compilation cache instead cannot be stored (``_hits``):
+    that process, and later ones, trace it and load it from the cache as a plain jit would (after an upgrade of
+    this package until the cache entry goes). ``programs``: how many this object has built or loaded."""
+
+    def __init__(self, jitted, fn: Callable, name: str, static: Sequence[str]) -> None:
+        self.jitted, self.name, self.static = jitted, name, frozenset(static)
+        self._params = list(inspect.signature(fn).parameters)
+        self._programs: dict[tuple, Callable] = {}
+
+    @property
+    def programs(self) -> int:
+        return len(self._programs)
+
+    def __call__(self, *args, **kwargs):
+        where = _store_dir()
+        dyn_args = tuple(a for i, a in enumerate(args) if self._params[i] not in self.static)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static}
+        leaves, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        if where is None or _multi_device(leaves):
+            return self.jitted(*args, **kwargs)
+        statics = sorted((self._params[i], a) for i, a in enumerate(args) if self._params[i] in self.static)
+        statics = repr(statics + sorted((k, v) for k, v in kwargs.items() if k in self.static))
+        key = (statics, _context(), in_tree, tuple(map(_aval, leaves)))  # _aval: PRNG key arrays have no weak_type
+        call = self._programs.get(key)
+        if call is None:
+            call = self._programs[key] = self._program(where, args, kwargs, statics, in_tree, leaves)
+        return call(*dyn_args, **dyn_kwargs)
+
+    def _program(self, where: Path, args, kwargs, statics: str, in_tree, leaves) -> Callable:
+        device = _device(leaves)
+        text = "\n".join([self.name, statics, repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
+                          f"device {device.id}", _env_flags(), _environment_digest()])
+        path = where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
+        if path.exists():
+            loaded = _load(path, device)
+            if loaded is not None:
+                return loaded[0]
+        hits = getattr(_hits, "n", 0)
+        compiled = self.jitted.lower(*args, **kwargs).compile()
+        if getattr(_hits, "n", 0) == hits:  # compiled here, not loaded from the compilation cache
+            _save(path, compiled, None)
+        return compiled
+
+
+def stored_lowering(jitted, fn: Callable, name: str, static: Sequence[str]) -> StoredLowering:
+    """``StoredLowering(...)``: see its docstring."""
+    return StoredLowering(jitted, fn, name, static)
