@@ -2,7 +2,8 @@
 one process (a decode instance that is a DP engine on 8 fake devices: ``tests/sharded/dp_roles_check.py``, a
 subprocess), and ``Cluster`` on Ray (greedy outputs identical to ``LLM.generate``; faults lose nothing).
 
-The Ray tests start a local Ray (2 CPUs) with tiny engines; they are skipped, with the reason, only
+The Ray tests start a local Ray (2 CPUs) with tiny engines (a 5-layer cut of the tiny model: the ``model`` fixture);
+they are skipped, with the reason, only
 when Ray cannot start here.
 """
 
@@ -35,15 +36,44 @@ def _tokens(outs):
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return LLM("tiny", use_tqdm=False, **KW)
+def model(tmp_path_factory) -> str:
+    """A checkpoint directory (every Ray actor loads it) of ``ModelConfig.tiny()`` cut to 5 layers that keep every
+    kind of per-request state a handoff carries: SWA rings, compressor groups at ratios 2 and 1 (every attention
+    role: SWA, FULL, REUSE, the candidate source, REINDEX) and an Engram look-back; 2 Sinkhorn rounds instead of
+    20. Its programs compile and load in about half the time of the 12-layer ``"tiny"`` (what these tests are
+    about is the handoff and the cluster, not the depth), and its random weights make greedy tokens that depend
+    on every layer."""
+    from flax import nnx
+
+    from deepinfer_jax import ModelConfig
+    from deepinfer_jax.checkpoint.hf_export import save_hf_checkpoint
+    from deepinfer_jax.params import init_params
+
+    cfg = ModelConfig.tiny().replace(
+        num_hidden_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layer_ids=(1, 3),
+        index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3, engram_layer_ids=(1,),
+        engram_num_embeddings=(2048,), dspark_target_layer_ids=(2, 3, 4), hc_sinkhorn_iters=2)
+    tree = nnx.to_pure_dict(init_params(cfg, seed=0))
+    tree.pop("engram_token_map")  # the identity map, rebuilt by the loader
+
+    def host(t):
+        return {k: host(v) if isinstance(v, dict) else np.asarray(v, np.float32) for k, v in t.items()}
+
+    path = tmp_path_factory.mktemp("tiny-5-layers")
+    save_hf_checkpoint(path, cfg, host(tree), quantize=False, plain_dtype=np.float32)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def roles(tmp_path_factory):
+def ref(model):
+    return LLM(model, use_tqdm=False, **KW)
+
+
+@pytest.fixture(scope="module")
+def roles(model, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("store"))
-    return (PrefillInstance(LLM("tiny", use_tqdm=False, block_store=store, **KW)),
-            DecodeInstance(LLM("tiny", use_tqdm=False, block_store=store, **KW)))
+    return (PrefillInstance(LLM(model, use_tqdm=False, block_store=store, **KW)),
+            DecodeInstance(LLM(model, use_tqdm=False, block_store=store, **KW)))
 
 
 def _reference(ref, prompts, sp=SP):
@@ -263,12 +293,12 @@ def test_dp_role_env_gives_the_actor_the_preset_devices_and_keeps_speculation():
 
 # ---- Cluster on Ray ----
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(model):
     ray = pytest.importorskip("ray", reason="Ray (the 'cluster' extra) is not installed")
     from deepinfer_jax.cluster import Cluster
 
     try:
-        c = Cluster(prefill=1, decode=1, model="tiny", decode_grace_s=0.0, **KW)
+        c = Cluster(prefill=1, decode=1, model=model, decode_grace_s=0.0, **KW)
     except (ray.exceptions.RaySystemError, ConnectionError, RuntimeError) as e:
         pytest.skip(f"Ray cannot start here: {e}")
     yield c
@@ -357,15 +387,15 @@ def test_cluster_prefill_actor_killed(ref, cluster):
 def test_cluster_retired_decode_forwards_after_grace(ref, cluster):
     if len([i for i in cluster._live("decode") if i.accepting]) < 2:
         cluster.add_instance("decode")
-    prompts = _prompts(13, (25, 45, 64))
-    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    prompts = _prompts(13, (25, 33, 40))
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)  # still decoding when the grace ends
     rids = cluster.submit([{"prompt_token_ids": p} for p in prompts], sp)
     retired = []
 
     def retire_a_busy_decoder():
         busy = [i for i in cluster._live("decode") if i.rids and i.accepting and i.call is not None]
         if busy:
-            cluster.retire_decode(busy[0].index, grace_s=0.2)
+            cluster.retire_decode(busy[0].index, grace_s=0.05)
             retired.append(busy[0])
             return True
         return False
@@ -754,13 +784,13 @@ def test_cluster_autoscaler_scales_up_from_the_ready_pool_at_once(ref, cluster):
         cluster.requests.pop(r, None)
 
 
-def test_cluster_with_a_dp_decode_instance_equals_colocated(ref, cluster):
+def test_cluster_with_a_dp_decode_instance_equals_colocated(ref, cluster, model):
     """A DP engine (cpu-dp2-ep4 on its actor's 8 fake devices) as one decode instance on Ray: every
     request handed over exactly (nothing recomputed), spread over its ranks, tokens equal colocated."""
     from deepinfer_jax.cluster import Cluster
 
     prompts = _prompts(31, (5, 16, 37, 50))
-    with Cluster(prefill=1, decode=1, model="tiny", decode_grace_s=0.0,
+    with Cluster(prefill=1, decode=1, model=model, decode_grace_s=0.0,
                  decode_settings={"sharding": "cpu-dp2-ep4"}, **KW) as dp:
         assert [i.dp_size for i in dp.instances["decode"]] == [2]
         outs = dp.generate([{"prompt_token_ids": p} for p in prompts], SP, timeout_s=600)
