@@ -2,9 +2,8 @@
 one process (a decode instance that is a DP engine on 8 fake devices: ``tests/sharded/dp_roles_check.py``, a
 subprocess), and ``Cluster`` on Ray (greedy outputs identical to ``LLM.generate``; faults lose nothing).
 
-The Ray tests start a local Ray (2 CPUs) with tiny engines (a 5-layer cut of the tiny model: the ``model`` fixture);
-they are skipped, with the reason, only
-when Ray cannot start here.
+Both run a 5-layer cut of the tiny model (the ``model`` fixture). The Ray tests start a local Ray (2 CPUs); they
+are skipped, with the reason, only when Ray cannot start here.
 """
 
 from __future__ import annotations
