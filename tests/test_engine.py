@@ -279,13 +279,30 @@ def test_prefix_cache_hits_are_bit_identical_to_cold_runs(llm):
     assert _lps(second) == _lps(first)
     follow = prompt + first.outputs[0].token_ids + rng.integers(3, CFG.vocab_size, 30).tolist()
     hit = _run(llm, [follow], sp)[0]
-    assert hit.num_cached_tokens == 64  # the window saved at P = floor(74 / 16) * 16
+    # the first run's 75 + 6 tokens filled 5 blocks (the fifth in its last step) and kept the window at 80
+    assert hit.num_cached_tokens == 80
     cold = _cold(llm, [follow], sp)[0]
-    # the producer computed rows 48..63 in another chunk shape than a cold run does; the step's rows
+    # the producer computed rows 48..79 in other chunk shapes than a cold run does; the step's rows
     # are batch-shape independent only up to rounding (test_paged_step), so here: equal tokens and
     # logprobs within 1e-5 (bit-identical when the chunkings agree, as for the repeat above)
     assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
     assert max(abs(a[1] - b[1]) for a, b in zip(_lps(hit), _lps(cold))) < 1e-5
+
+
+def test_a_turn_whose_last_block_fills_in_its_last_step_leaves_that_block_cached(llm):
+    """A request of 4 * 16 + 1 tokens: its fourth block is complete only once its last step ran, after the
+    scheduler gave its slot back (asynchronous scheduling: certain to finish); the block is indexed at the
+    finish, so the next turn of the conversation hits all 64 tokens (the window kept at 64), not only the
+    prefill's 16. Before, that block was lost to the cache."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(3, CFG.vocab_size, 30).tolist()
+    first = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=35, ignore_eos=True))[0]
+    follow = prompt + first.outputs[0].token_ids + rng.integers(3, CFG.vocab_size, 20).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    hit = _run(llm, [follow], sp)[0]
+    assert len(prompt) + len(first.outputs[0].token_ids) == 65 and hit.num_cached_tokens == 64
+    assert _ids([hit]) == _ids(_cold(llm, [follow], sp))
+    assert llm.engine.scheduler.pool.used_count == 0  # every block back in the pool (the kept ones at the finish)
 
 
 def test_a_request_shares_the_blocks_of_a_running_request(llm):

@@ -200,10 +200,11 @@ class Scheduler:
             r.spec.decoding = sample and self.spec_tokens > 0
 
         for r in [r for r in self.running if r.num_pending and self._limit_reached(r)]:
-            # certain to finish once its last token is reconciled: free its slot and blocks now
-            # (the device runs later steps after the one still writing them)
+            # certain to finish once its last token is reconciled: free its slot and blocks now (the device
+            # runs later steps after the one still writing them); blocks that the steps in flight may still
+            # complete stay until the finish, which indexes them in the prefix cache (``_completes_a_block``)
             self.running.remove(r)
-            self._release(r)
+            self._release(r, keep_blocks=self._completes_a_block(r))
         cp_turn = cp_turn_for(self)  # a long prompt's CP prefill runs alone: running requests wait one step
         i = 0
         while not cp_turn and i < len(self.running):
@@ -315,9 +316,23 @@ class Scheduler:
         self.waiting.appendleft(r)
         out.preempted.append(r)
 
-    def _release(self, r: Request) -> None:
-        """Blocks and slot go back at once: later steps run after the in-flight ones on the device."""
-        if r.blocks is not None:
+    def _completes_a_block(self, r: Request) -> bool:
+        """Whether ``r``, at its limit with tokens still on the device, may end with a full block of known tokens
+        that the prefix cache has not indexed yet (it is indexed when the request finishes). Without this, a
+        request whose last block fills in its last steps (a length of ``k * block_size + 1``, or a verify row
+        crossing the boundary) left that block out of the cache, and the next turn of the conversation hit
+        one block or more short."""
+        if self.prefix is None or r.blocks is None or r.replay.approximate:
+            return False
+        limit = self.max_model_len
+        if r.params.max_tokens is not None:
+            limit = min(limit, len(r.prompt_ids) + r.params.max_tokens)
+        return limit // self.block_size > r.cache.registered
+
+    def _release(self, r: Request, keep_blocks: bool = False) -> None:
+        """Blocks and slot go back at once: later steps run after the in-flight ones on the device. With
+        ``keep_blocks`` only the slot does (the blocks go at ``finish``)."""
+        if r.blocks is not None and not keep_blocks:
             r.blocks.release()
             r.blocks = None
         if r.slot is not None:
