@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from cut_model import tiny_cut
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.cluster.handoff import decode_handoff, encode_handoff
@@ -36,22 +37,16 @@ def _tokens(outs):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    """A checkpoint directory (every Ray actor loads it) of ``ModelConfig.tiny()`` cut to 5 layers that keep every
-    kind of per-request state a handoff carries: SWA rings, compressor groups at ratios 2 and 1 (every attention
-    role: SWA, FULL, REUSE, the candidate source, REINDEX) and an Engram look-back; 2 Sinkhorn rounds instead of
-    20. Its programs compile and load in about half the time of the 12-layer ``"tiny"`` (what these tests are
-    about is the handoff and the cluster, not the depth), and its random weights make greedy tokens that depend
-    on every layer."""
+    """A checkpoint directory (every Ray actor loads it) of the test model cut to 5 layers (``tests/cut_model.py``):
+    every kind of per-request state a handoff carries is kept, and its programs compile and load in about half
+    the time of the 12-layer ``"tiny"`` (what these tests are about is the handoff and the cluster, not the
+    depth); its random weights make greedy tokens that depend on every layer."""
     from flax import nnx
 
-    from deepinfer_jax import ModelConfig
     from deepinfer_jax.checkpoint.hf_export import save_hf_checkpoint
     from deepinfer_jax.params import init_params
 
-    cfg = ModelConfig.tiny().replace(
-        num_hidden_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layer_ids=(1, 3),
-        index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3, engram_layer_ids=(1,),
-        engram_num_embeddings=(2048,), dspark_target_layer_ids=(2, 3, 4), hc_sinkhorn_iters=2)
+    cfg = tiny_cut()
     tree = nnx.to_pure_dict(init_params(cfg, seed=0))
     tree.pop("engram_token_map")  # the identity map, rebuilt by the loader
 

@@ -16,7 +16,7 @@ BLOCK, MAX_LEN, SLOTS = 16, 128, 4
 BUCKETS = Buckets(tokens=(8, 32), requests=(SLOTS,), blocks=(MAX_LEN // BLOCK,))
 
 
-def robust_params(seed: int = 7, scale: float = 0.1):
+def robust_params(seed: int = 7, scale: float = 0.1, cfg=CFG):
     """Random weights made robust to rounding-level noise (environment.md, fragility pitfall).
 
     The model computes every row with batch-shape independent kernels (``layers.matmul_t``,
@@ -29,7 +29,7 @@ def robust_params(seed: int = 7, scale: float = 0.1):
     than on AVX-512 machines; at 0.05, 1.2e-5 on another such machine, so its quantized storage is held
     to one flip's size rather than 1e-5).
     """
-    state = init_params(CFG, seed=seed)
+    state = init_params(cfg, seed=seed)
     for block in state["layers"].values():
         block["attn"]["wo_b"]["weight"][...] = block["attn"]["wo_b"]["weight"][...] * scale
         block["ffn"]["experts"]["w2"][...] = block["ffn"]["experts"]["w2"][...] * scale

@@ -1,5 +1,5 @@
 """DSpark speculative decoding on the device (issue 9): budgeted selection, lossless acceptance, rollback,
-and the engine end to end on the tiny config.
+and the engine end to end on a 5-layer cut of the tiny config (``tests/cut_model.py``).
 
 A random drafter almost never agrees with the tiny random target, so the engine tests use one whose
 Markov head encodes the target's most frequent greedy transitions, read off plain decoding
@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cut_model import tiny_cut
 from scipy import stats as sps
-from test_paged_step import CFG, robust_params
+from test_paged_step import robust_params
 from test_spec_engine import plain_priced_out, select_counts_np
 
 from deepinfer_jax import LLM, SamplingParams
@@ -27,6 +28,7 @@ from deepinfer_jax.model.dspark import init_drafter_params
 from deepinfer_jax.model.sampler import SamplingInputs
 from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, SampleSpec, StepInputError
 
+CFG = tiny_cut()  # speculation's mechanics, not the 12-layer schedule (test_spec_shipped.py runs that)
 K = CFG.dspark_block_size
 
 
@@ -141,7 +143,7 @@ def test_sampled_acceptance_with_the_wrong_draft_distribution_is_caught():
 
 @pytest.fixture(scope="module")
 def params():
-    return robust_params()
+    return robust_params(cfg=CFG)
 
 
 @pytest.fixture(scope="module")
