@@ -240,12 +240,13 @@ def main() -> None:
                          f"NeMo eager (torch CPU); {same}/5 outputs equal ours"))
             print(f"  nemo: tokens at {r['tokens_at_s']:.1f} s", flush=True)
         # generate_ragged, and beside it without the program store (the warm process traces and reads the cache)
-        for label, gen_env in (("", {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate"))}),
-                               (", no store", {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate-nostore")),
-                                               "DEEPINFER_PROGRAM_STORE": "off"})):
+        for suffix, label, gen_env in (
+                ("", "", {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate"))}),
+                ("_nostore", ", no store", {"DEEPINFER_COMPILATION_CACHE": str(Path(tmp, "xla-generate-nostore")),
+                                            "DEEPINFER_PROGRAM_STORE": "off"})):
             for temp in ("cold", "warm"):
                 r = run_child("generate", env=gen_env)
-                results[f"generate_{temp}{label.replace(', ', '_').replace(' ', '')}"] = r
+                results[f"generate_{temp}{suffix}"] = r
                 same = sum(a == b for a, b in zip(r["tokens"], ours))
                 rows.append(("generate_ragged first call (compile or load + run)", temp + label, r["first_call_s"],
                              f"{same}/5 outputs equal the engine's"))

@@ -22,6 +22,7 @@ to its static ``max_new_tokens``. ``generate_ragged`` uses that: it compiles for
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -131,20 +132,19 @@ def new_tokens_width(max_new_tokens: int) -> int:
     """The output width ``generate_ragged`` compiles for ``max_new_tokens``: 64, 128, 256, ..."""
     return max(MIN_NEW_TOKENS_WIDTH, _pow2_at_least(max_new_tokens))
 
+
 _STATIC = ("cfg", "max_new_tokens", "storage", "stop_at_eos")
 _jitted = jax.jit(generate, static_argnames=_STATIC)
-_stored = []  # generate_ragged's ``StoredLowering`` of ``_jitted``, made at its first call
 
 
+@functools.cache
 def _ragged_program():
-    """``_jitted`` with its programs kept in the program store (``runner.program_store.StoredLowering``): a warm
-    process loads the compiled ``generate`` instead of tracing it; a user's ``jax.jit(generate)`` with the same
-    arguments still finds the program in the compilation cache."""
-    if not _stored:
-        from deepinfer_jax.runner.program_store import stored_lowering
+    """``_jitted`` with its programs kept in the program store (``runner.program_store.StoredLowering``), made at
+    ``generate_ragged``'s first call: a warm process loads the compiled ``generate`` instead of tracing it; a
+    user's ``jax.jit(generate)`` with the same arguments still finds the program in the compilation cache."""
+    from deepinfer_jax.runner.program_store import StoredLowering
 
-        _stored.append(stored_lowering(_jitted, generate, "generate_ragged", _STATIC))
-    return _stored[0]
+    return StoredLowering(_jitted, generate, "generate_ragged", _STATIC)
 
 
 def pad_prompts(prompts, vocab_size: int | None = None, multiple: int = PAD_MULTIPLE,

@@ -60,7 +60,7 @@ import jax
 
 from deepinfer_jax import compile_cache, compile_options
 
-__all__ = ["ENV", "ProgramLog", "StoredJit", "StoredLowering", "stored_jit", "stored_lowering"]
+__all__ = ["ENV", "ProgramLog", "StoredJit", "StoredLowering", "stored_jit"]
 
 ENV = "DEEPINFER_PROGRAM_STORE"
 
@@ -132,6 +132,13 @@ def _context() -> tuple:
     table = tuple(sorted((k, tuple(sorted((p, _impl_name(v)) for p, v in impls.items())))
                          for k, impls in dispatch.TABLE.items()))
     return dispatch.setting(), table, str(jax.config.jax_default_matmul_precision)
+
+
+def _program_file(where: Path, name: str, statics: str, in_tree, leaves) -> Path:
+    """The file of program ``name`` for these arguments (see the module docstring for what its name hashes)."""
+    text = "\n".join([name, statics, repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
+                      f"device {_device(leaves).id}", _env_flags(), _environment_digest()])
+    return where / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
 
 
 def _store_dir() -> Path | None:
@@ -320,10 +327,7 @@ class StoredJit:
         return tuple(out)
 
     def _path(self, where: Path, statics, in_tree, leaves) -> Path:
-        """The file of the program for these arguments (see the module docstring for what its name hashes)."""
-        text = "\n".join([self.name, repr(statics), repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
-                          f"device {_device(leaves).id}", _env_flags(), _environment_digest()])
-        return where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
+        return _program_file(where, self.name, repr(statics), in_tree, leaves)
 
     def _program(self, where: Path, args, statics, in_tree, leaves):
         device = _device(leaves)
@@ -465,9 +469,7 @@ class StoredLowering:
 
     def _program(self, where: Path, args, kwargs, statics: str, in_tree, leaves) -> Callable:
         device = _device(leaves)
-        text = "\n".join([self.name, statics, repr(_context()), str(in_tree), repr([_aval(x) for x in leaves]),
-                          f"device {device.id}", _env_flags(), _environment_digest()])
-        path = where / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
+        path = _program_file(where, self.name, statics, in_tree, leaves)
         if path.exists():
             loaded = _load(path, device)
             if loaded is not None:
@@ -477,8 +479,3 @@ class StoredLowering:
         if getattr(_hits, "n", 0) == hits:  # compiled here, not loaded from the compilation cache
             _save(path, compiled, None)
         return compiled
-
-
-def stored_lowering(jitted, fn: Callable, name: str, static: Sequence[str]) -> StoredLowering:
-    """``StoredLowering(...)``: see its docstring."""
-    return StoredLowering(jitted, fn, name, static)
