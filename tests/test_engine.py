@@ -1,23 +1,26 @@
-"""The engine end to end on the tiny config: greedy equals a ``forward_full`` argmax loop, batch
-invariance, async on/off, the jitted ``generate``, logprobs, bad input."""
+"""The engine end to end on a 5-layer cut of the tiny config (``tests/cut_model.py``: every attention role, the
+encoder/decoder split, Engram; the 12-layer schedule is ``test_paged_step.py``'s): greedy equals a ``forward_full``
+argmax loop, batch invariance, async on/off, the jitted ``generate``, logprobs, bad input."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
-from test_paged_step import CFG, robust_params
+from cut_model import tiny_cut
+from test_paged_step import robust_params
 
 from deepinfer_jax import LLM, RequestError, SamplingParams, forward_full, generate, generate_ragged, pad_prompts
 from deepinfer_jax.model import generate as generate_module
 from deepinfer_jax.cache.block_store import StoreError
 
+CFG = tiny_cut()
 MAX_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def params():
-    return robust_params()
+    return robust_params(cfg=CFG)
 
 
 @pytest.fixture(scope="module")
@@ -329,10 +332,11 @@ def test_a_request_shares_the_blocks_of_a_running_request(llm):
 
 def test_encoder_bounded_replay_reuses_blocks_and_caches_nothing(llm):
     rng = np.random.default_rng(9)
-    prompt = rng.integers(3, CFG.vocab_size, 75).tolist()
+    prompt, *others = [rng.integers(3, CFG.vocab_size, 75).tolist() for _ in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     prefix = llm.engine.scheduler.prefix
     cold = _run(llm, [prompt], sp)[0]
+    colds = [cold] + [_run(llm, [p], sp)[0] for p in others]
     blocks = prefix.pool.lookup(prefix.digests(_digest_req(prompt)))[:3]
     before = jax.tree.map(lambda a: np.asarray(a)[np.asarray(blocks)], llm.runner.cache["global"])
     prefix.snapshots._items.clear()  # the windows are gone: an exact hit is impossible
@@ -345,18 +349,21 @@ def test_encoder_bounded_replay_reuses_blocks_and_caches_nothing(llm):
         full = _run(llm, [prompt], sp)[0]
         assert full.num_cached_tokens == 48 and full.outputs[0].token_ids == cold.outputs[0].token_ids
         assert max(abs(a[1] - b[1]) for a, b in zip(_lps(full), _lps(cold))) < 1e-5
-        # the bounded replay of one window: approximate, and nothing of it enters the cache
-        prefix.replay_tokens = CFG.sliding_window
+        # a bounded replay is approximate, and nothing of it enters the cache; it replays a single token here, as
+        # on this 3-layer encoder a window's replay comes within ~2e-5 of exact (test_replay_research measures
+        # the truncation on the 12-layer model)
+        prefix.replay_tokens = 1
         assert len(prefix.snapshots) == 0  # the replayed request saved none
         registered, register = [], prefix.pool.register
         prefix.pool.register = lambda b, d: registered.append(d) or register(b, d)
         snaps = prefix.snapshots.saved
         try:
-            approx = _run(llm, [prompt], sp)[0]
+            approx = [_run(llm, [p], sp)[0] for p in [prompt] + others]
         finally:
             del prefix.pool.register
-        assert approx.num_cached_tokens == 48 and len(approx.outputs[0].token_ids) == 6
-        assert max(abs(a[1] - b[1]) for a, b in zip(_lps(approx), _lps(cold))) > 1e-4  # truncation is real
+        assert all(a.num_cached_tokens == 48 and len(a.outputs[0].token_ids) == 6 for a in approx)
+        err = max(abs(x[1] - y[1]) for a, c in zip(approx, colds) for x, y in zip(_lps(a), _lps(c)))
+        assert err > 1e-4  # truncation is real
         assert registered == [] and prefix.snapshots.saved == snaps
     finally:
         prefix.encoder_replay, prefix.replay_tokens = False, CFG.sliding_window
