@@ -582,6 +582,31 @@ def test_cluster_rebalances_decode_onto_a_new_instance_mid_stream(ref, cluster):
     _check_stream(streams, _reference(ref, prompts, sp))
 
 
+def test_cluster_plans_a_rebalance_right_after_each_decode_admission(ref, cluster, monkeypatch):
+    """``RebalanceSettings.on_admit`` (the default): with the tick 1,000 s away, the plans after the enable's
+    first one are the ones decode admissions asked for, and they see the admitted requests; without it, none."""
+    from deepinfer_jax.cluster import live
+    from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings
+
+    seen = []  # the requests per decode rank of every plan
+    monkeypatch.setattr(live, "plan_moves", lambda ranks, *a, **k: seen.append([len(r) for r in ranks]) or [])
+    prompts = _prompts(26, (21, 45, 30))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for on_admit in (True, False):
+        _two_accepting_decoders(cluster)  # a plan needs two decode ranks in service
+        seen.clear()
+        cluster.enable_rebalance(RebalanceSettings(tick_s=1000.0, on_admit=on_admit))
+        try:
+            got = cluster.generate([{"prompt_token_ids": p} for p in prompts], sp, timeout_s=180)
+        finally:
+            cluster.enable_rebalance(None)
+        assert _tokens(got) == _tokens(_reference(ref, prompts, sp))
+        if on_admit:
+            assert len(seen) >= 2 and any(sum(r) > 0 for r in seen), seen
+        else:  # at most the enable's plan, at the first step, before any request reached decode
+            assert len(seen) <= 1 and not any(sum(r) for r in seen), seen
+
+
 # ---- the live autoscaler (issue 23) ----
 def test_cluster_bad_settings_are_typed_errors_naming_the_field():
     pytest.importorskip("ray", reason="Ray (the 'cluster' extra) is not installed")

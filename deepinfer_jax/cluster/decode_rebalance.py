@@ -1,10 +1,11 @@
 """Decode rebalancing by migration (issue 23, the decode balance target; docs/cluster.md).
 
 Routing places a decode request once, at admission; afterwards requests grow and finish at
-different times, so the per-rank KV sums drift apart. ``plan_moves`` is the periodic correction: a
-pure function over the decode ranks' running requests that plans a bounded number of migrations
-from the most loaded rank to the least loaded one, each chosen to lower the larger of the two
-ranks' loads the most (the request nearest half their gap). It plans nothing while
+different times, so the per-rank KV sums drift apart, and a large arrival can land on a rank that was
+only a little below the mean. ``plan_moves`` is the correction, run every tick and (by default) right
+after each admission: a pure function over the decode ranks' running requests that plans a bounded
+number of migrations from the most loaded rank to the least loaded one, each chosen to lower the
+larger of the two ranks' loads the most (the request nearest half their gap). It plans nothing while
 ``max / mean <= threshold``, never plans a move that would raise the largest load, and skips
 requests moved within ``cooldown_s`` (no ping-pong). A moved request leaves its rank and resumes on
 the other one after ``migration_pause_s``: its KV blocks read back from the shared block store (the
@@ -29,18 +30,21 @@ KV_BYTES_PER_TOKEN = 890
 
 @dataclass(frozen=True)
 class RebalanceSettings:
-    """How often and how much the simulator's ``deepinfer_migrate`` policy rebalances: a plan every
-    ``tick_s`` over all decode ranks, ``plan_moves`` arguments, and the store read bandwidth of
-    ``migration_pause_s``. ``settle``: a request is not moved within ``cooldown_s`` of its
-    admission either (spares short-lived requests the pause; less balance gained)."""
+    """How often and how much the decode rebalancing runs (the simulator's ``deepinfer_migrate`` policy
+    and the live ``Cluster(rebalance=...)``): a plan every ``tick_s`` over all decode ranks, and with
+    ``on_admit`` also right after each admission of a new request (a large arrival is what most often
+    makes the most loaded rank; waiting for the tick leaves it there), ``plan_moves`` arguments, and the
+    store read bandwidth of ``migration_pause_s``. ``settle``: a request is not moved within
+    ``cooldown_s`` of its admission either (spares short-lived requests the pause; less balance gained)."""
 
     tick_s: float = 0.1
     max_moves: int = 16
-    threshold: float = 1.02
+    threshold: float = 1.05
     cooldown_s: float = 1.0
     bandwidth_gb_s: float = 5.0
     keep_rows: bool = True
     settle: bool = False
+    on_admit: bool = True
 
     def __post_init__(self) -> None:
         check_number("tick_s", self.tick_s, 0.0, strict=True)
@@ -48,6 +52,9 @@ class RebalanceSettings:
         check_number("threshold", self.threshold, 1.0)
         check_number("cooldown_s", self.cooldown_s)
         check_number("bandwidth_gb_s", self.bandwidth_gb_s, 0.0, strict=True)
+        for name in ("keep_rows", "settle", "on_admit"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyInputError(name, f"must be True or False, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ tokens/s and the running decode requests, calls ``Autoscaler.tick`` and adds ins
 without blocking, routed to once ready) or takes them out of service (``cluster.scaling``); the
 changes are ``ClusterStats.scale_events``.
 
-``rebalance=RebalanceSettings(...)``: every ``tick_s`` the router runs ``decode_rebalance.plan_moves``
+``rebalance=RebalanceSettings(...)``: every ``tick_s`` (and with ``on_admit``, the default, at the first
+step after a request was admitted to decode) the router runs ``decode_rebalance.plan_moves``
 over every rank of the decode instances in service, each request weighed by its KV length (what the
 decode actors report with each answer), and migrates the planned requests: the source actor hands them
 on exactly as a retiring one does (``forward_unfinished`` with their ids; the rest keep decoding there)
@@ -384,8 +385,11 @@ class Cluster:
             if not any(v.accepting for v in views):
                 raise RuntimeError("no decode instance left to take requests")
             e, rank = pick_decode_rank(views, self._tokens(req))
-        if self.rebalance is not None and self.rebalance.settle and to is None:
-            self._moved_at.setdefault(_number(req.rid), time.perf_counter())  # not moved within cooldown_s of it
+        if self.rebalance is not None and to is None:
+            if self.rebalance.settle:
+                self._moved_at.setdefault(_number(req.rid), time.perf_counter())  # not moved within cooldown_s of it
+            if self.rebalance.on_admit:
+                self._next_rebalance = 0.0  # plan at the next step, once the request is on its instance
         inst = cands[e]
         req.where, req.rank = ("decode", e), rank
         inst.rids.add(req.rid)

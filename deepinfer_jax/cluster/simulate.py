@@ -20,7 +20,8 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
   waiting work and the time left of each engine's running step, ``pick_decode_rank``) against
   ``round_robin``, ``request_count`` (vLLM-router style: fewest outstanding requests) and
   ``random``, each over all ranks, flat; ``deepinfer_migrate``: ``deepinfer`` plus a rebalance every
-  ``RebalanceSettings.tick_s`` (``decode_rebalance.plan_moves`` over all decode ranks): a moved
+  ``RebalanceSettings.tick_s`` and after each decode admission (``on_admit``;
+  ``decode_rebalance.plan_moves`` over all decode ranks): a moved
   request leaves its rank, is in flight for ``migration_pause_s`` (its KV counted on the
   destination rank in every reading meanwhile, though it does not decode) and resumes there; the
   pause is in its TPOT.
@@ -294,6 +295,8 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         base[i][r] += req.num_tokens - progress[i] * tps
         heapq.heappush(running[i], (progress[i] + steps, req.rid, r, progress[i], req, now))
         retime(i, now)
+        if policy == "deepinfer_migrate" and rebalance.on_admit:
+            rebalance_tick(now)
 
     def rebalance_tick(now):
         placed = {}  # with ``settle``: admission counts as a placement for the cooldown
