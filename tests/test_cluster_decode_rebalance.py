@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_jax.cluster.decode_rebalance import (KV_BYTES_PER_TOKEN, Move, RebalanceSettings, migration_pause_s,
-                                                    plan_moves)
+from deepinfer_jax.cluster.decode_rebalance import (KV_BYTES_PER_TOKEN, Move, RebalanceSettings, _best_swap,
+                                                    migration_pause_s, plan_moves)
 from deepinfer_jax.cluster.errors import PolicyInputError
 from deepinfer_jax.cluster.simulate import ClusterShape, simulate
 from deepinfer_jax.cluster.traces import agent_trace, chat_trace
@@ -76,6 +76,32 @@ def test_plan_properties(kvs, max_moves, threshold, keep_rows, recent):
         assert max(rows) <= max(len(r) for r in ranks)
     if plan:
         assert max(before) * len(before) > threshold * sum(before)
+
+
+def _every_pair_swap(held, loads, src, low, moved):
+    """The swap search over every pair of requests (what ``_best_swap`` replaced), as the reference."""
+    best = None
+    for a, ka in held[src]:
+        for b, kb in held[low]:
+            d = ka - kb
+            if a in moved or b in moved or d <= 0 or loads[low] + d >= loads[src]:
+                continue
+            key = (max(loads[src] - d, loads[low] + d), 2, ka + kb, a, b)
+            if best is None or key < best[0]:
+                best = (key, [(a, ka, src, low), (b, kb, low, src)])
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 40), st.floats(0.0, 3e5)), min_size=1, max_size=14),
+       st.lists(st.one_of(st.integers(0, 40), st.floats(0.0, 3e5)), min_size=0, max_size=14),
+       st.floats(0.0, 2e5), st.sets(st.integers(0, 40), max_size=6))
+def test_swap_search_equals_the_search_over_every_pair(src_kv, low_kv, extra, moved):
+    """Repeated lengths (small integers), ties and requests moved before included."""
+    held = [[(i, float(k)) for i, k in enumerate(src_kv)], [(100 + i, float(k)) for i, k in enumerate(low_kv)]]
+    loads = [sum(k for _, k in held[0]) + extra, sum(k for _, k in held[1])]
+    moved = moved | {100 + m for m in moved}
+    assert _best_swap(held, loads, 0, 1, moved) == _every_pair_swap(held, loads, 0, 1, moved)
 
 
 def test_pause_model():
