@@ -302,6 +302,9 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         placed = {}  # with ``settle``: admission counts as a placement for the cooldown
         for i in range(D):
             advance(i, now)
+        loads = [kv_of(i, r) + pending[i][r] for i in range(D) for r in range(DR)]
+        if max(loads) * len(loads) <= rebalance.threshold * sum(loads) * (1 - 1e-6):
+            return  # balanced with a margin for rounding: plan_moves would plan nothing (skips listing requests)
         ranks = [[] for _ in range(D * DR)]
         where = {}
         for i in range(D):
