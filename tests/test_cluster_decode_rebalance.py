@@ -78,6 +78,17 @@ def test_plan_properties(kvs, max_moves, threshold, keep_rows, recent):
         assert max(before) * len(before) > threshold * sum(before)
 
 
+def test_an_admissions_plan_skips_a_threshold_no_placement_reaches():
+    """One request holds more than ``threshold`` times the mean rank's KV: the tick still moves the others off its
+    rank (nearer the bound), a plan after an admission (``only_if_reachable``) moves nothing."""
+    ranks = [[(1, 300.0), (2, 60.0), (3, 50.0)], [(4, 40.0)], [(5, 30.0)], [(6, 20.0)]]  # mean 125
+    assert plan_moves(ranks, max_moves=4, threshold=1.05)
+    assert plan_moves(ranks, max_moves=4, threshold=1.05, only_if_reachable=True) == []
+    reachable = [[(1, 70.0), (2, 60.0), (3, 50.0)], [(4, 40.0)], [(5, 30.0)], [(6, 20.0)]]  # 70 < 1.05 x mean 67.5
+    plan = plan_moves(reachable, max_moves=4, threshold=1.05, only_if_reachable=True)
+    assert plan and plan == plan_moves(reachable, max_moves=4, threshold=1.05)
+
+
 def _every_pair_swap(held, loads, src, low, moved):
     """The swap search over every pair of requests (what ``_best_swap`` replaced), as the reference."""
     best = None

@@ -584,17 +584,20 @@ def test_cluster_rebalances_decode_onto_a_new_instance_mid_stream(ref, cluster):
 
 def test_cluster_plans_a_rebalance_right_after_each_decode_admission(ref, cluster, monkeypatch):
     """``RebalanceSettings.on_admit`` (the default): with the tick 1,000 s away, the plans after the enable's
-    first one are the ones decode admissions asked for, and they see the admitted requests; without it, none."""
+    first one are the ones decode admissions asked for (``only_if_reachable``), and they see the admitted
+    requests; without it, none."""
     from deepinfer_jax.cluster import live
     from deepinfer_jax.cluster.decode_rebalance import RebalanceSettings
 
-    seen = []  # the requests per decode rank of every plan
-    monkeypatch.setattr(live, "plan_moves", lambda ranks, *a, **k: seen.append([len(r) for r in ranks]) or [])
+    seen, reachable_only = [], []  # the requests per decode rank of every plan, and whether it was an admission's
+    monkeypatch.setattr(live, "plan_moves", lambda ranks, *a, only_if_reachable=False, **k:
+                        seen.append([len(r) for r in ranks]) or reachable_only.append(only_if_reachable) or [])
     prompts = _prompts(26, (21, 45, 30))
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for on_admit in (True, False):
         _two_accepting_decoders(cluster)  # a plan needs two decode ranks in service
         seen.clear()
+        reachable_only.clear()
         cluster.enable_rebalance(RebalanceSettings(tick_s=1000.0, on_admit=on_admit))
         try:
             got = cluster.generate([{"prompt_token_ids": p} for p in prompts], sp, timeout_s=180)
@@ -603,6 +606,7 @@ def test_cluster_plans_a_rebalance_right_after_each_decode_admission(ref, cluste
         assert _tokens(got) == _tokens(_reference(ref, prompts, sp))
         if on_admit:
             assert len(seen) >= 2 and any(sum(r) > 0 for r in seen), seen
+            assert reachable_only == [False] + [True] * (len(seen) - 1)  # the enable's tick, then admissions
         else:  # at most the enable's plan, at the first step, before any request reached decode
             assert len(seen) <= 1 and not any(sum(r) for r in seen), seen
 

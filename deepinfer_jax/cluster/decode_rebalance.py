@@ -3,7 +3,7 @@
 Routing places a decode request once, at admission; afterwards requests grow and finish at
 different times, so the per-rank KV sums drift apart, and a large arrival can land on a rank that was
 only a little below the mean. ``plan_moves`` is the correction, run every tick and (by default) right
-after each admission: a pure function over the decode ranks' running requests that plans a bounded
+after each admission where one request alone does not keep the threshold out of reach: a pure function over the decode ranks' running requests that plans a bounded
 number of migrations from the most loaded rank to the least loaded one, each chosen to lower the
 larger of the two ranks' loads the most (the request nearest half their gap). It plans nothing while
 ``max / mean <= threshold``, never plans a move that would raise the largest load, and skips
@@ -34,7 +34,8 @@ class RebalanceSettings:
     """How often and how much the decode rebalancing runs (the simulator's ``deepinfer_migrate`` policy
     and the live ``Cluster(rebalance=...)``): a plan every ``tick_s`` over all decode ranks, and with
     ``on_admit`` also right after each admission of a new request (a large arrival is what most often
-    makes the most loaded rank; waiting for the tick leaves it there), ``plan_moves`` arguments, and the
+    makes the most loaded rank; waiting for the tick leaves it there), unless one request alone keeps the
+    threshold out of reach (``plan_moves(only_if_reachable=True)``), ``plan_moves`` arguments, and the
     store read bandwidth of ``migration_pause_s``. ``settle``: a request is not moved within
     ``cooldown_s`` of its admission either (spares short-lived requests the pause; less balance gained)."""
 
@@ -82,7 +83,7 @@ def migration_pause_s(kv_tokens: float, bandwidth_gb_s: float = 5.0, bytes_per_t
 
 def plan_moves(ranks: Sequence[Sequence[tuple[int, float]]], max_moves: int = 4, threshold: float = 1.05,
                now: float = 0.0, last_moved: Mapping[int, float] | None = None, cooldown_s: float = 5.0,
-               keep_rows: bool = False) -> list[Move]:
+               keep_rows: bool = False, only_if_reachable: bool = False) -> list[Move]:
     """Moves for the decode ranks ``ranks[k] = [(request id, kv tokens), ...]`` (flat over instances).
 
     Greedy, at most ``max_moves``: while the ranks' KV ``max / mean > threshold``, take the most
@@ -93,7 +94,9 @@ def plan_moves(ranks: Sequence[Sequence[tuple[int, float]]], max_moves: int = 4,
     not made worse). Also considered, when two moves are left: a swap of a request of the most loaded
     rank with a smaller one of the least loaded (rows unchanged), which packs large requests that no
     single move fits. Ties prefer one migration, then fewer tokens moved (a shorter pause), then the
-    lower rank and request id, so a plan is deterministic."""
+    lower rank and request id, so a plan is deterministic. ``only_if_reachable`` (the plans after admissions):
+    plan nothing when one request alone holds ``threshold`` times the mean rank's KV, as no placement of whole
+    requests then reaches the threshold and moves would only approach that bound, each at a pause."""
     check_nonempty("ranks", ranks)
     check_int("max_moves", max_moves)
     check_number("threshold", threshold, 1.0)
@@ -113,6 +116,8 @@ def plan_moves(ranks: Sequence[Sequence[tuple[int, float]]], max_moves: int = 4,
         held.append(rank)
     loads = [sum(kv for _, kv in r) for r in held]
     n = len(loads)
+    if only_if_reachable and max((kv for r in held for _, kv in r), default=0.0) * n >= threshold * sum(loads):
+        return []
     moved: set[int] = {rid for rid, t in last_moved.items() if now - t < cooldown_s}
     plan: list[Move] = []
     while len(plan) < max_moves:

@@ -36,8 +36,8 @@ without blocking, routed to once ready) or takes them out of service (``cluster.
 changes are ``ClusterStats.scale_events``.
 
 ``rebalance=RebalanceSettings(...)``: every ``tick_s`` (and with ``on_admit``, the default, at the first
-step after a request was admitted to decode) the router runs ``decode_rebalance.plan_moves``
-over every rank of the decode instances in service, each request weighed by its KV length (what the
+step after a request was admitted to decode, then with ``only_if_reachable``) the router runs
+``decode_rebalance.plan_moves`` over every rank of the decode instances in service, each request weighed by its KV length (what the
 decode actors report with each answer), and migrates the planned requests: the source actor hands them
 on exactly as a retiring one does (``forward_unfinished`` with their ids; the rest keep decoding there)
 and the router admits each on the rank the plan chose. Counted in ``ClusterStats.migrated``.
@@ -250,6 +250,7 @@ class Cluster:
         self.rebalance: RebalanceSettings | None = None
         self._moved_at: dict[int, float] = {}  # request number -> when it was last moved (or placed, ``settle``)
         self._next_rebalance = 0.0
+        self._admitted = False  # a request was admitted to decode since the last plan (``on_admit``)
         self.enable_rebalance(rebalance)
 
     def enable_autoscaler(self, settings: AutoscalerSettings | None) -> None:
@@ -389,7 +390,7 @@ class Cluster:
             if self.rebalance.settle:
                 self._moved_at.setdefault(_number(req.rid), time.perf_counter())  # not moved within cooldown_s of it
             if self.rebalance.on_admit:
-                self._next_rebalance = 0.0  # plan at the next step, once the request is on its instance
+                self._admitted = True  # plan at the next step, once the request is on its instance
         inst = cands[e]
         req.where, req.rank = ("decode", e), rank
         inst.rids.add(req.rid)
@@ -404,12 +405,14 @@ class Cluster:
             return req.kv
         return len(req.ids) + (len(req.output_ids) if req.output_ids else 1)
 
-    def _plan_migrations(self, now: float) -> None:
+    def _plan_migrations(self, now: float, tick: bool = True) -> None:
         """The rebalancing tick: ``plan_moves`` over every rank of the decode instances in service (requests
         the actor already has, weighed by KV length); each planned request is marked on its instance, whose
         next call hands it on (``step``)."""
         s = self.rebalance
-        self._next_rebalance = now + s.tick_s
+        if tick:
+            self._next_rebalance = now + s.tick_s
+        self._admitted = False
         flat, ranks = [], []
         for inst in self.instances["decode"]:
             if not (inst.alive and inst.ready and inst.accepting and inst.retire_at is None):
@@ -425,7 +428,8 @@ class Cluster:
                 ranks.append(row)
         if len(ranks) < 2:
             return
-        for m in plan_moves(ranks, s.max_moves, s.threshold, now, self._moved_at, s.cooldown_s, s.keep_rows):
+        for m in plan_moves(ranks, s.max_moves, s.threshold, now, self._moved_at, s.cooldown_s, s.keep_rows,
+                            only_if_reachable=not tick):
             src = self.instances["decode"][flat[m.src][0]]
             src.migrate[f"c{m.rid}"] = flat[m.dst]
             self._moved_at[m.rid] = now
@@ -441,8 +445,8 @@ class Cluster:
         now = time.perf_counter()
         if self.scaler is not None:
             self.scaler.tick(now)
-        if self.rebalance is not None and now >= self._next_rebalance:
-            self._plan_migrations(now)
+        if self.rebalance is not None and (now >= self._next_rebalance or self._admitted):
+            self._plan_migrations(now, tick=now >= self._next_rebalance)
         for inst in self._live("prefill"):
             if inst.draining and inst.call is None and not inst.rids and not inst.adds:
                 self.stop_instance(inst)

@@ -20,8 +20,8 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
   waiting work and the time left of each engine's running step, ``pick_decode_rank``) against
   ``round_robin``, ``request_count`` (vLLM-router style: fewest outstanding requests) and
   ``random``, each over all ranks, flat; ``deepinfer_migrate``: ``deepinfer`` plus a rebalance every
-  ``RebalanceSettings.tick_s`` and after each decode admission (``on_admit``;
-  ``decode_rebalance.plan_moves`` over all decode ranks): a moved
+  ``RebalanceSettings.tick_s`` and after each decode admission (``on_admit``, unless one request keeps
+  the threshold out of reach; ``decode_rebalance.plan_moves`` over all decode ranks): a moved
   request leaves its rank, is in flight for ``migration_pause_s`` (its KV counted on the
   destination rank in every reading meanwhile, though it does not decode) and resumes there; the
   pause is in its TPOT.
@@ -296,9 +296,9 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
         heapq.heappush(running[i], (progress[i] + steps, req.rid, r, progress[i], req, now))
         retime(i, now)
         if policy == "deepinfer_migrate" and rebalance.on_admit:
-            rebalance_tick(now)
+            rebalance_tick(now, admission=True)
 
-    def rebalance_tick(now):
+    def rebalance_tick(now, admission=False):
         placed = {}  # with ``settle``: admission counts as a placement for the cooldown
         for i in range(D):
             advance(i, now)
@@ -320,7 +320,7 @@ def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), co
                 ranks[k].append((-1 - k, pending[k // DR][k % DR]))
                 locked[-1 - k] = now
         moves = plan_moves(ranks, rebalance.max_moves, rebalance.threshold, now, locked, rebalance.cooldown_s,
-                           rebalance.keep_rows)
+                           rebalance.keep_rows, only_if_reachable=admission)
         touched = set()
         for mv in moves:
             if mv.rid < 0:
