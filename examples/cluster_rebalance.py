@@ -2,7 +2,7 @@
 admission (the default), against round robin, on the traces where round robin exceeds 1.5 (docs/cluster.md,
 "Decode rebalancing").
 
-    python examples/cluster_rebalance.py               # seeds 0 1 2, about 80 s here
+    python examples/cluster_rebalance.py               # seeds 0 1 2, about a minute here
     python examples/cluster_rebalance.py --seeds 3 4
 
 Prints one markdown row per trace and seed: decode max/mean attention for each policy, the bound no placement
