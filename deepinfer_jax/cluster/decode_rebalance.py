@@ -3,9 +3,10 @@
 Routing places a decode request once, at admission; afterwards requests grow and finish at
 different times, so the per-rank KV sums drift apart, and a large arrival can land on a rank that was
 only a little below the mean. ``plan_moves`` is the correction, run every tick and (by default) right
-after each admission where one request alone does not keep the threshold out of reach: a pure function over the decode ranks' running requests that plans a bounded
-number of migrations from the most loaded rank to the least loaded one, each chosen to lower the
-larger of the two ranks' loads the most (the request nearest half their gap). It plans nothing while
+after each admission where one request alone does not keep the threshold out of reach: a pure
+function over the decode ranks' running requests that plans a bounded number of migrations from
+the most loaded rank to the least loaded one, each chosen to lower the larger of the two ranks'
+loads the most (the request nearest half their gap). It plans nothing while
 ``max / mean <= threshold``, never plans a move that would raise the largest load, and skips
 requests moved within ``cooldown_s`` (no ping-pong). A moved request leaves its rank and resumes on
 the other one after ``migration_pause_s``: its KV blocks read back from the shared block store (the

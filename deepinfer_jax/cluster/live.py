@@ -37,10 +37,11 @@ changes are ``ClusterStats.scale_events``.
 
 ``rebalance=RebalanceSettings(...)``: every ``tick_s`` (and with ``on_admit``, the default, at the first
 step after a request was admitted to decode, then with ``only_if_reachable``) the router runs
-``decode_rebalance.plan_moves`` over every rank of the decode instances in service, each request weighed by its KV length (what the
-decode actors report with each answer), and migrates the planned requests: the source actor hands them
-on exactly as a retiring one does (``forward_unfinished`` with their ids; the rest keep decoding there)
-and the router admits each on the rank the plan chose. Counted in ``ClusterStats.migrated``.
+``decode_rebalance.plan_moves`` over every rank of the decode instances in service, each request
+weighed by its KV length (what the decode actors report with each answer), and migrates the planned
+requests: the source actor hands them on exactly as a retiring one does (``forward_unfinished`` with
+their ids; the rest keep decoding there) and the router admits each on the rank the plan chose.
+Counted in ``ClusterStats.migrated``.
 """
 
 from __future__ import annotations
