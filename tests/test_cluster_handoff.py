@@ -1,5 +1,5 @@
 """The prefill -> decode handoff format (issue 23 item 1): a round trip, and a typed error naming the field for a
-damaged or mismatched payload. The roles that write and read it: ``test_cluster_pd.py``."""
+damaged or mismatched payload. The roles that write and read it: ``test_cluster_roles.py``."""
 
 from __future__ import annotations
 
