@@ -12,23 +12,10 @@ import math
 import time
 
 import pytest
-from cut_model import write_tiny_cut
 from test_cluster_roles import KW, SP, _prompts, _reference, _tokens
+from test_cluster_roles import model, ref  # noqa: F401 (module fixtures: this module gets its own instances)
 
-from deepinfer_jax import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    """A checkpoint directory of the test model cut to 5 layers (``tests/cut_model.py``): every kind of per-request
-    state a handoff carries is kept, and its programs compile and load in about half the time of the 12-layer
-    ``"tiny"`` (what these tests are about is the handoff and the cluster, not the depth)."""
-    return write_tiny_cut(tmp_path_factory.mktemp("tiny-5-layers"))
-
-
-@pytest.fixture(scope="module")
-def ref(model):
-    return LLM(model, use_tqdm=False, **KW)
+from deepinfer_jax import SamplingParams
 
 
 # ---- Cluster on Ray ----
