@@ -165,9 +165,11 @@ def _best_swap(held, loads, src: int, low: int, moved: set[int]):
     Both parts of the larger load are monotone in ``kb`` (float rounding keeps them so) and the allowed ``kb``
     are an interval around ``ka - gap / 2``, so for each ``a`` the least key lies at one of the ``kb`` values
     next to ``ka - gap / 2`` (among equal ``kb``, at the smallest id). Checking the three on either side with
-    the key itself gives the swap a search over every pair gives (``tests/test_cluster_decode_rebalance.py``
-    compares them), in ``O(n log n)`` instead of ``O(n^2)``: a 16-move plan over 32 ranks of 100 requests
-    took 24.5 ms before, about 3 ms with it, on this machine."""
+    the key itself, and walking on outwards while rounding keeps the larger load at its least (a run of
+    ``kb`` values whose loads round alike; the rest of the key breaks that tie), gives the swap a search over
+    every pair gives (``tests/test_cluster_decode_rebalance.py`` compares them), in ``O(n log n)`` instead of
+    ``O(n^2)``: a 16-move plan over 32 ranks of 100 requests took 24.5 ms before, about 3 ms with it, on this
+    machine."""
     src_load, low_load = loads[src], loads[low]
     firsts: dict[float, int] = {}
     for b, kb in held[low]:
@@ -179,12 +181,29 @@ def _best_swap(held, loads, src: int, low: int, moved: set[int]):
         if a in moved:
             continue
         i = bisect.bisect_left(values, ka - (src_load - low_load) / 2)
-        for kb in values[max(0, i - 3): i + 3]:
-            d = ka - kb
-            if d <= 0 or low_load + d >= src_load:
-                continue
-            b = firsts[kb]
-            key = (max(src_load - d, low_load + d), 2, ka + kb, a, b)
-            if best is None or key < best[0]:
-                best = (key, [(a, ka, src, low), (b, kb, low, src)])
+        lo, hi = max(0, i - 3), min(len(values), i + 3)
+        found = [x for x in (_swap_key(values, firsts, j, a, ka, src_load, low_load) for j in range(lo, hi)) if x]
+        if not found:
+            continue
+        top = min(key[0] for key, _ in found)
+        # rounding can make the larger load equal over a run of kb values (a denormal beside 0, or lengths
+        # past 2**53): walk outwards while it stays at the least, so a tie is broken as over every pair
+        for j, step in ((lo - 1, -1), (hi, 1)):
+            while 0 <= j < len(values) and (x := _swap_key(values, firsts, j, a, ka, src_load, low_load)) \
+                    and x[0][0] <= top:
+                found.append(x)
+                j += step
+        key, kb = min(found)
+        if best is None or key < best[0]:
+            best = (key, [(a, ka, src, low), (key[4], kb, low, src)])
     return best
+
+
+def _swap_key(values, firsts, j, a, ka, src_load, low_load):
+    """``_best_swap``'s ``(key, kb)`` for swapping request ``a`` (``ka``) for the first request of length
+    ``values[j]`` on the least loaded rank, or None when that swap is not allowed."""
+    kb = values[j]
+    d = ka - kb
+    if d <= 0 or low_load + d >= src_load:
+        return None
+    return (max(src_load - d, low_load + d), 2, ka + kb, a, firsts[kb]), kb
