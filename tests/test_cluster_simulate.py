@@ -71,6 +71,11 @@ def test_prefill_slot_rule_steps_better_balanced_than_before_and_round_robin():
     assert new.prefill_balance < rr.prefill_balance, (new.prefill_balance, rr.prefill_balance)
     for b in ("16-64K", "64-256K"):  # not bought with TTFT: the medians are no worse than before
         assert new.ttft_ms[b][0] <= before.ttft_ms[b][0], (b, new.ttft_ms[b], before.ttft_ms[b])
+    # near ties (within 20 ms) go to the rank with the least quota this round: the per-window spread of
+    # the quota is smaller than with 5 ms ties (the rule before), where the predicted finish decided alone
+    narrow = simulate(busy_agent, "deepinfer", SHAPE, tie_ns=5e6)
+    assert new.prefill_window_balance < narrow.prefill_window_balance, \
+        (new.prefill_window_balance, narrow.prefill_window_balance)
     for r in (new, unmatched, before, rr):
         # the bounds: no rank placement beats an engine holding fewer requests than ranks
         assert 1.0 <= r.prefill_bound_tier <= r.prefill_bound <= r.prefill_balance, r

@@ -244,7 +244,7 @@ class SlotRule:
     step_overhead_ns: float = 0.0
     step_budget_ns: float = 250e6
     pairing: float = 4.0
-    tie_ns: float = 5e6
+    tie_ns: float = 20e6
     match_floor_ns: float | None = 10e6
     bucket_penalty_ns: float | None = 20e6
 

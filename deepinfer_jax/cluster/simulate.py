@@ -121,7 +121,7 @@ class _Job:
 def simulate(trace: Trace, policy: str, shape: ClusterShape = ClusterShape(), cost_model=None,
              decode_model: DecodeStepModel | None = None, seed: int = 0, warmup_s: float | None = None,
              drain_s: float = 120.0, rebalance: RebalanceSettings = RebalanceSettings(),
-             pairing: float | None = 4.0, tie_ns: float = 5e6, match_floor_ns: float | None = 10e6,
+             pairing: float | None = 4.0, tie_ns: float = 20e6, match_floor_ns: float | None = 10e6,
              bucket_penalty_ns: float | None = 20e6, gather_ns: float = 0.0) -> SimResult:
     """Run ``trace`` under ``policy``; metrics cover requests arriving after ``warmup_s``
     (default 20% of the trace). ``rebalance`` only matters for ``deepinfer_migrate``; ``pairing``,
