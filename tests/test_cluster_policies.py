@@ -219,10 +219,13 @@ def test_soft_buckets_leave_a_busy_bucket_for_an_idle_engine_only_when_cheaper()
     assert e.value.field == "bucket_penalty_ns"
 
 
-def test_matched_step_budget_cuts_long_chunks_only_when_every_rank_works():
+def test_matched_step_budget_cuts_long_chunks_to_the_shortest_working_rank():
     assert matched_step_budget([10 * MS, 100 * MS], 250 * MS, 5 * MS) == 10 * MS  # both ranks work: match the short
     assert matched_step_budget([2 * MS, 100 * MS], 250 * MS, 10 * MS) == 10 * MS   # not below the floor
-    assert matched_step_budget([0.0, 100 * MS], 250 * MS, 5 * MS) == 250 * MS     # a rank idles: it pads anyway
+    assert matched_step_budget([0.0, 100 * MS], 250 * MS, 5 * MS) == 250 * MS     # one rank works: nothing to match
+    # four ranks, two idle: the idle ones pad anyway and are left out; the working two are matched
+    assert matched_step_budget([0.0, 100 * MS, 0.0, 30 * MS], 250 * MS, 5 * MS) == 30 * MS
+    assert matched_step_budget([0.0, 0.0, 0.0, 30 * MS], 250 * MS, 5 * MS) == 250 * MS
     assert matched_step_budget([300 * MS, 400 * MS], 250 * MS, 5 * MS) == 250 * MS  # never above the budget
     for call, field in ((lambda: matched_step_budget([1.0, -1.0], 1.0, 0.0), "natural_ns[1]"),
                         (lambda: matched_step_budget([], 1.0, 0.0), "natural_ns"),

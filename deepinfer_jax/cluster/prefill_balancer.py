@@ -25,8 +25,8 @@ holds (its backlog).
    prefix affinity (every engine reads every prefix from the store).
 4. **Inside the rank**: the engine's own cost-model chunking (``engine.cost_model.CostModel.largest_q``
    under ``EngineConfig.step_budget_ns``, engine.md §2.1), with one rule for a lockstep DP step
-   (``matched_step_budget``, ``SlotRule.match_floor_ns``): when every rank has work, all chunk to the
-   smallest rank's natural chunk cost, so the ranks' chunks cost about the same. The simulator
+   (``matched_step_budget``, ``SlotRule.match_floor_ns``): when two or more ranks have work, they all
+   chunk to the smallest working rank's natural chunk cost, so their chunks cost about the same. The simulator
    applies it; the live engines do not yet (their instances are one rank each).
 
 Ties everywhere go to the lowest index: the rules are deterministic.
@@ -218,19 +218,21 @@ def pick_prefill_slot(engines: Sequence[PrefillEngineView], quota_ns: float, ste
 
 def matched_step_budget(natural_ns: Sequence[float], step_budget_ns: float, floor_ns: float) -> float:
     """Layer 4 in a lockstep step: the chunk budget of every rank. ``natural_ns[r]``: the cost of
-    what rank r would run within ``step_budget_ns``. When every rank has work, the budget is the
-    smallest of them (not below ``floor_ns``): the longer chunks are cut to it and their rest waits
-    for the next step, so the short work is not padded to the long chunk's end (its request
+    what rank r would run within ``step_budget_ns``. When two or more ranks have work, the budget is
+    the smallest of their chunks (not below ``floor_ns``): the longer chunks are cut to it and their
+    rest waits for the next step, so the short work is not padded to the long chunk's end (its request
     finishes a step earlier) and the cut request's rest can pair with new work. A rank with nothing
-    pads whatever the chunks, so then the whole budget."""
+    pads whatever the chunks and is left out of the smallest (with four ranks, two working and two
+    idle, the two working ones are still matched); with fewer than two working, the whole budget."""
     check_nonempty("natural_ns", natural_ns)
     for i, x in enumerate(natural_ns):
         check_number(f"natural_ns[{i}]", x)
     check_number("step_budget_ns", step_budget_ns, 0.0, strict=True)
     check_number("floor_ns", floor_ns)
-    if min(natural_ns) <= 0:
+    working = [x for x in natural_ns if x > 0]
+    if len(working) < 2:
         return step_budget_ns
-    return min(step_budget_ns, max(min(natural_ns), floor_ns))
+    return min(step_budget_ns, max(min(working), floor_ns))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ decode instance events, metric samples, bucket re-size rounds. What happens:
   hit and uncached tokens are known before routing; quota = ``cost(q, c)``.
 * **Prefill** engines of ``prefill_ranks`` DP ranks step in lockstep: each rank fills the step
   budget from its FIFO queue with the cost model's chunking (``CostModel.largest_q``, layer 4; for
-  ``deepinfer*`` the budget of a step where every rank has work is ``matched_step_budget``), a
+  ``deepinfer*`` the budget of a step where two or more ranks have work is ``matched_step_budget``), a
   step lasts ``a0 + max over ranks`` of the chunk costs. A finished prompt writes its blocks to
   the index and is handed to decode at once (TTFT = prefill end - arrival). ``gather_ns`` (off by
   default, every policy): an idle engine given fewer requests than ranks waits for more first.
