@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cut_model import tiny_cut
 
-from deepinfer_jax import LLM, ModelConfig, init_params
+from deepinfer_jax import LLM, init_params
 from deepinfer_jax.cache import BlockPool, RequestBlocks
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.model.kv_cache import init_cache
@@ -17,7 +18,7 @@ from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner
 from deepinfer_jax.runner.buckets import block_buckets
 from deepinfer_jax.runner.step_batch import build_inputs, pick_shape
 
-CFG = ModelConfig.tiny()
+CFG = tiny_cut()  # every attention role; the point here is what a step reads, not the 12-layer schedule
 
 #: compile-bound: level 0 (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("xla_cpu_level0")

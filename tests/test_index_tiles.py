@@ -10,14 +10,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from cut_model import tiny_cut
 
-from deepinfer_jax import ModelConfig, compile_options, init_params
+from deepinfer_jax import compile_options, init_params
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.model import index_tiles, paged
 from deepinfer_jax.model.kv_cache import init_cache
 from deepinfer_jax.runner.step_batch import ChunkSpec, build_inputs
 
-CFG = ModelConfig.tiny()
+CFG = tiny_cut()  # every attention role; the point here is the indexer tiles, not the 12-layer schedule
 BLOCK, BLOCKS = 16, 8
 DEFAULT = index_tiles.TILE_BUDGET
 

@@ -1,7 +1,7 @@
 """Training (``deepinfer_jax.research``): the shipped trained checkpoint beats its card's unigram baseline on a
-checked-in held-out sample; a few steps on the tiny config reduce the loss; a run resumed from its orbax
-checkpoint continues bit for bit; the pieces the trainer relies on (weight fake-quant = the export encoders,
-the tied-vocabulary head = the full softmax) are exact.
+checked-in held-out sample; a few steps on a 5-layer cut of the tiny config (``tests/cut_model.py``) reduce the
+loss; a run resumed from its orbax checkpoint continues bit for bit; the pieces the trainer relies on (weight
+fake-quant = the export encoders, the tied-vocabulary head = the full softmax) are exact.
 
 The fixture ``tests/fixtures/stdlib_heldout_sample.py.txt`` is an excerpt of ``string.py`` from CPython 3.11's
 standard library (PSF License), a file of the training run's held-out split.
@@ -20,9 +20,9 @@ pytest.importorskip("optax")
 
 import jax
 import jax.numpy as jnp
+from cut_model import tiny_cut
 
 from deepinfer_jax.checkpoint import quant_formats as Q
-from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.research import train as T
 from deepinfer_jax.research.corpus import batch_for_step, is_heldout
 from deepinfer_jax.research.qat import fake_quant_tree, quantize_leaf
@@ -32,6 +32,7 @@ TRAINED = REPO / "checkpoints" / "small-trained"
 FIXTURE = REPO / "tests" / "fixtures" / "stdlib_heldout_sample.py.txt"
 
 # qat off and no held-out evaluation while training: one small compilation shared by the tests below
+CFG = tiny_cut()  # the 5-layer cut (every layer role): the point here is the trainer, not the schedule
 TINY = T.TrainConfig(preset="tiny", steps=10, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2, qat=False,
                      eval_windows=0, ckpt_every=5)
 
@@ -44,7 +45,7 @@ def _tiny_data() -> T.TrainData:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    return T.train(TINY, tmp_path_factory.mktemp("run"), _tiny_data(), ModelConfig.tiny(), progress=False)
+    return T.train(TINY, tmp_path_factory.mktemp("run"), _tiny_data(), CFG, progress=False)
 
 
 def test_shipped_checkpoint_beats_the_cards_unigram_baseline():
@@ -78,7 +79,7 @@ def test_a_few_tiny_steps_reduce_the_loss(tiny_run):
 
 
 def test_resume_continues_bit_identically(tiny_run, tmp_path):
-    data, cfg = _tiny_data(), ModelConfig.tiny()
+    data, cfg = _tiny_data(), CFG
     T.train(TINY, tmp_path, data, cfg, progress=False, stop_after=5)  # "interrupted" after step 5
     assert T.latest_checkpoint(tmp_path / T.CKPT_DIR).name == "step_0000005"
     resumed, info = T.train(TINY, tmp_path, data, cfg, progress=False)
@@ -97,12 +98,12 @@ def test_tied_vocabulary_head_is_the_full_softmax(tiny_run):
     from deepinfer_jax.params import params_from_tree
 
     state, info = tiny_run
-    tie, cfg = info["tie"], T.train_forward_config(ModelConfig.tiny())
+    tie, cfg = info["tie"], T.train_forward_config(CFG)
     assert tie.n_unseen > 0
     windows = batch_for_step(_tiny_data().train, 7, 0, 2, 16, 0)
     windows[:, 5] = 450  # an unseen token as a target (and as an input)
     consts = {**tie.consts(), "token_map": jnp.asarray(info["token_map"])}
-    got = T.make_eval_fn(ModelConfig.tiny(), TINY, tie.n_unseen)(state.params, consts, jnp.asarray(windows))
+    got = T.make_eval_fn(CFG, TINY, tie.n_unseen)(state.params, consts, jnp.asarray(windows))
     exported = params_from_tree(cfg, T.export_tree(state.params, tie), token_map=info["token_map"])
     logits = jax.jit(forward_full, static_argnums=1)(exported, cfg, windows[:, :-1])
     want = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, windows[:, 1:, None], -1)[..., 0]
