@@ -13,6 +13,7 @@ from deepinfer_jax.runner import Buckets, ChunkSpec, ModelRunner, StepInputError
 
 CFG = ModelConfig.tiny()  # window 8 -> ring of 14 rows; ratios 2 and 1; Engram look-back of 2
 BLOCK, MAX_LEN, SLOTS = 16, 128, 4
+N_REQUESTS = 7  # of the random schedules; their forward_full reference is [N_REQUESTS, MAX_LEN]
 BUCKETS = Buckets(tokens=(8, 32), requests=(SLOTS,), blocks=(MAX_LEN // BLOCK,))
 
 
@@ -57,7 +58,7 @@ class _Req:
 @pytest.mark.parametrize("storage", ["dequantized", "quantized"])
 def test_random_schedules_match_forward_full(params, storage):
     rng = np.random.default_rng({"dequantized": 0, "quantized": 1}[storage])
-    n_requests = 7
+    n_requests = N_REQUESTS
     seqs = [rng.integers(0, CFG.vocab_size, int(rng.integers(40, MAX_LEN))) for _ in range(n_requests)]
     prompts = [int(rng.integers(3, len(s) - 20)) for s in seqs]  # the rest is decoded one token per step
     padded = np.zeros((n_requests, MAX_LEN), np.int64)
@@ -139,5 +140,7 @@ def test_bad_input_is_rejected_before_anything_is_written(params):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
     # the runner still works, and the good request computes the right logits
     out = runner.execute([good])[0]
-    want = np.asarray(jax.jit(forward_full, static_argnums=1)(params, CFG, ids[None, :20]))[0]
+    padded = np.zeros((N_REQUESTS, MAX_LEN), np.int64)  # the schedules' reference's shape: its compiled program
+    padded[0, :20] = ids[:20]
+    want = np.asarray(jax.jit(forward_full, static_argnums=1)(params, CFG, padded))[0, :20]
     assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
