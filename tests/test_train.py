@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINED = REPO / "checkpoints" / "small-trained"
 FIXTURE = REPO / "tests" / "fixtures" / "stdlib_heldout_sample.py.txt"
 
+CFG = tiny_cut()  # the 5-layer cut (every layer role), passed to ``T.train``: the point here is the trainer
 # qat off and no held-out evaluation while training: one small compilation shared by the tests below
-CFG = tiny_cut()  # the 5-layer cut (every layer role): the point here is the trainer, not the schedule
 TINY = T.TrainConfig(preset="tiny", steps=10, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2, qat=False,
                      eval_windows=0, ckpt_every=5)
 
