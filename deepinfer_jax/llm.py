@@ -250,7 +250,7 @@ class LLM:
         self.engine = EngineCore(self.runner, [make_scheduler() for _ in range(self.runner.dp_size)],
                                  tokenizer=self.tokenizer, eos_token_id=cfg.eos_token_id, seed=ec.seed,
                                  async_scheduling=ec.async_scheduling, max_logprobs=ec.max_logprobs,
-                                 structured=structured, spec=spec)
+                                 structured=structured, spec=spec, dp_match_floor_ns=ec.dp_match_floor_ns)
         self.ready_s = time.perf_counter() - t_start
 
     def _cp_threshold(self, ec: EngineConfig) -> int:
@@ -546,8 +546,8 @@ class LLM:
         s = self.engine.stats
         cm = self.engine.cost_model
         return {"steps": s.steps, "scheduled_tokens": s.scheduled_tokens, "generated_tokens": s.generated_tokens,
-                "preemptions": s.preemptions, "host_s": s.host_s, "wait_s": s.wait_s, "device_s": s.device_s,
-                "compile_s": self.compile_s,
+                "preemptions": s.preemptions, "matched_steps": s.matched_steps, "host_s": s.host_s, "wait_s": s.wait_s,
+                "device_s": s.device_s, "compile_s": self.compile_s,
                 "cost_model_error": None if cm is None else cm.mean_relative_error,
                 "cost_model_coef_ns": None if cm is None else cm.coef.tolist(),
                 "speculation": self.speculation,

@@ -111,11 +111,11 @@ class FakeDPRunner:
         return SimpleNamespace(result=lambda: fwd, output=lambda: StepOutput.plain(fwd))
 
 
-def _engine(dp=3, slots=2, async_scheduling=True, **sched):
+def _engine(dp=3, slots=2, async_scheduling=True, dp_match_floor_ns=None, runner=FakeDPRunner, **sched):
     kw = {"num_blocks": 16, "block_size": 4, "max_blocks_per_request": 8, "max_num_seqs": slots, "max_model_len": 32,
           "max_num_batched_tokens": 8, **sched}
-    return EngineCore(FakeDPRunner(dp, slots), [Scheduler(**kw) for _ in range(dp)], tokenizer=None,
-                        eos_token_id=VOCAB - 1, async_scheduling=async_scheduling)
+    return EngineCore(runner(dp, slots), [Scheduler(**kw) for _ in range(dp)], tokenizer=None,
+                        eos_token_id=VOCAB - 1, async_scheduling=async_scheduling, dp_match_floor_ns=dp_match_floor_ns)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -190,6 +190,84 @@ def test_dp_core_cost_chunking_plans_every_rank_and_fits_the_slowest():
               "max_num_batched_tokens": 8, "chunking": "cost", "step_budget_ns": 6000}
         EngineCore(FakeDPRunner(2, 2), [Scheduler(cost_model=CostModel((0, 1, 0, 0)), **kw) for _ in range(2)],
                      tokenizer=None, eos_token_id=0)
+
+
+def _per_token_model():
+    from deepinfer_jax.engine.cost_model import CostModel
+
+    model = CostModel((0.0, 1000.0, 0.0, 0.0))  # 1 us per token, no step overhead
+    model.observe = lambda shape, ns: None  # no online refit: the budget keeps buying the same tokens
+    return model
+
+
+def _run(core, prompts, sp):
+    rids = [core.add_request(p, sp) for p in prompts]
+    done = {}
+    while core.has_unfinished:
+        done.update({o.request_id: o for o in core.step()})
+    return [done[r].outputs[0].token_ids for r in rids], [core.rank_of(r) for r in rids]
+
+
+@pytest.mark.parametrize("floor_ns, first_tokens", [(None, [6, 3]), (0, [3, 3]), (5000, [5, 3])])
+def test_dp_core_matches_the_ranks_prompt_chunks_to_the_smallest(floor_ns, first_tokens):
+    """``dp_match_floor_ns``: in a step where both ranks have prompt work, the long prompt's chunk is cut to the
+    short prompt's cost (not below the floor); its rest runs later, alone, whole-budget; the tokens are unchanged."""
+    core = _engine(dp=2, chunking="cost", cost_model=_per_token_model(), step_budget_ns=6000, async_scheduling=False,
+                   dp_match_floor_ns=floor_ns)
+    prompts = [list(range(1, 21)), [5, 6, 7]]  # rank 0 gets the long prompt, rank 1 the short one
+    ids, _ = _run(core, prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert ids == [[(p[-1] + k) % VOCAB for k in range(1, 4)] for p in prompts]
+    per_rank = [[sum(len(c.token_ids) for c in cs) for cs in step] for step in core.runner.steps]
+    assert per_rank[0] == first_tokens, per_rank
+    assert core.stats.matched_steps == (0 if floor_ns is None else 1)  # one step with prompt work on both ranks
+    # rank 1 decodes from the second step: a decode token is not prompt work, so rank 0's chunks are whole again
+    assert per_rank[1] == [6, 1], per_rank
+
+
+def test_dp_core_matching_costs_a_prefix_hit_by_its_uncached_tokens():
+    """The matched budget comes from each rank's ``planned_cost_ns``, which looks a waiting request's prefix hit up
+    as admission does: a repeat that reads 8 of its 14 tokens from the cache costs 6 tokens, and the other rank's
+    fresh prompt is cut to that; the repeat's tokens are the first run's, and the estimate left no trace."""
+    core = _engine(dp=2, chunking="cost", cost_model=_per_token_model(), step_budget_ns=8000, async_scheduling=False,
+                   dp_match_floor_ns=0, runner=FakeCopyRunner, prefix_extra=b"model", ring_rows=4,
+                   host_store=HostBlockStore())
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompt = list(range(10, 24))  # 14 tokens: windows saved at 8 and 12, a repeat hits 8
+    (first,), _ = _run(core, [prompt], sp)
+    long = list(range(30, 50))
+    rids = [core.add_request(p, sp) for p in (long, prompt)]
+    assert [core.rank_of(r) for r in rids] == [0, 1]
+
+    def state():
+        reqs = [core.requests[r] for r in rids]
+        return ([(r.replay.approximate, list(r.cache.snapshot_points), r.num_computed) for r in reqs],
+                [s.prefix.stats() for s in core.schedulers])
+
+    before = state()
+    assert [s.planned_cost_ns() for s in core.schedulers] == [(8000.0, True), (6000.0, True)]
+    assert state() == before  # the lookups counted nothing and left the requests as they were
+    start = len(core.runner.steps)
+    done = {}
+    while core.has_unfinished:
+        done.update({o.request_id: o for o in core.step()})
+    step = core.runner.steps[start]
+    assert [[len(c.token_ids) for c in cs] for cs in step] == [[6], [6]]  # both ranks' chunks cost 6 us
+    assert done[rids[1]].num_cached_tokens == 8 and done[rids[1]].outputs[0].token_ids == first
+    assert done[rids[0]].outputs[0].token_ids == [(long[-1] + k) % VOCAB for k in range(1, 4)]
+
+
+def test_dp_match_floor_refuses_bad_settings_naming_the_field():
+    for bad in (-1, 1.5e400, True, "10"):
+        with pytest.raises(ValueError, match="dp_match_floor_ns"):
+            _engine(dp=2, chunking="cost", cost_model=_per_token_model(), step_budget_ns=6000, dp_match_floor_ns=bad)
+    with pytest.raises(ValueError, match="dp_match_floor_ns.*chunking='cost'"):
+        _engine(dp=2, dp_match_floor_ns=0)  # token chunking: no cost to match
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="dp_match_floor_ns"):
+            EngineConfig(dp_match_floor_ns=bad)
+    with pytest.raises(ValueError, match="dp_match_floor_ns.*chunking='cost'"):
+        EngineConfig(dp_match_floor_ns=10_000_000, chunking="tokens")
+    assert EngineConfig(dp_match_floor_ns=10_000_000).parallel.dp_match_floor_ns == 10_000_000
 
 
 def test_dp_core_refuses_what_it_does_not_support():
@@ -481,6 +559,10 @@ def test_cost_model_chunking_equals_one_device(checks):
     first, token_first = row["first_step_tokens"], row["token_chunking_first_step_tokens"]
     assert max(first) <= 16 and sum(first) < sum(token_first) and len(first) == 2, row
     assert row["observed"] == row["predicted"] == row["steps"] and not row["recompiled"], row
+    # the same batch with the ranks' prompt chunks matched (dp_match_floor_ns=0 given to LLM): still one device's
+    matched = row["matched"]
+    assert row["floor_from_llm"] == 0 and row["first_matched_steps"] == 0 and row["matched_steps"] > 0, row
+    assert matched["ids_equal"] and matched["reasons_equal"] and matched["max_logprob_diff"] < 1e-4, row
 
 
 def test_structured_output_equals_one_device(checks):

@@ -25,7 +25,7 @@ FLAT = {"max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_blocks
         "enable_prefix_caching", "cache_salt", "swa_snapshot_entries", "encoder_replay", "replay_tokens",
         "decoder_replay", "yoco_keep_tokens", "host_store_bytes", "block_store", "block_store_fallback",
         "default_thinking_mode", "sharding", "speculation", "num_speculative_tokens", "draft_vocab_size",
-        "precompile", "compilation_cache", "cp_threshold"}
+        "precompile", "compilation_cache", "cp_threshold", "dp_match_floor_ns"}
 
 
 def test_every_flat_setting_belongs_to_one_place():

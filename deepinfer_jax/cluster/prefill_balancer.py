@@ -27,7 +27,8 @@ holds (its backlog).
    under ``EngineConfig.step_budget_ns``, engine.md §2.1), with one rule for a lockstep DP step
    (``matched_step_budget``, ``SlotRule.match_floor_ns``): when two or more ranks have work, they all
    chunk to the smallest working rank's natural chunk cost, so their chunks cost about the same. The simulator
-   applies it; the live engines do not yet (their instances are one rank each).
+   applies it, and a DP engine does with the engine setting ``dp_match_floor_ns`` (off by default;
+   ``engine.ranks.matched_budget_ns``); the live cluster's instances are one rank each.
 
 Ties everywhere go to the lowest index: the rules are deterministic.
 """
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepinfer_jax.cluster.errors import PolicyInputError, check_int, check_nonempty, check_number
+from deepinfer_jax.engine import ranks
 
 __all__ = ["BUCKET_EDGES", "PrefillBalancer", "PrefillEngineView", "SlotRule", "length_bucket", "matched_step_budget",
            "pick_prefill_group", "pick_prefill_rank", "pick_prefill_slot", "reassign_engines", "request_quota",
@@ -217,22 +219,19 @@ def pick_prefill_slot(engines: Sequence[PrefillEngineView], quota_ns: float, ste
 
 
 def matched_step_budget(natural_ns: Sequence[float], step_budget_ns: float, floor_ns: float) -> float:
-    """Layer 4 in a lockstep step: the chunk budget of every rank. ``natural_ns[r]``: the cost of
+    """Layer 4 in a lockstep step: the chunk budget of every rank (``engine.ranks.matched_step_budget``, the
+    rule a DP engine runs with ``dp_match_floor_ns``), the arguments checked. ``natural_ns[r]``: the cost of
     what rank r would run within ``step_budget_ns``. When two or more ranks have work, the budget is
     the smallest of their chunks (not below ``floor_ns``): the longer chunks are cut to it and their
-    rest waits for the next step, so the short work is not padded to the long chunk's end (its request
-    finishes a step earlier) and the cut request's rest can pair with new work. A rank with nothing
-    pads whatever the chunks and is left out of the smallest (with four ranks, two working and two
-    idle, the two working ones are still matched); with fewer than two working, the whole budget."""
+    rest waits for the next step. A rank with nothing pads whatever the chunks and is left out of the
+    smallest (with four ranks, two working and two idle, the two working ones are still matched); with
+    fewer than two working, the whole budget."""
     check_nonempty("natural_ns", natural_ns)
     for i, x in enumerate(natural_ns):
         check_number(f"natural_ns[{i}]", x)
     check_number("step_budget_ns", step_budget_ns, 0.0, strict=True)
     check_number("floor_ns", floor_ns)
-    working = [x for x in natural_ns if x > 0]
-    if len(working) < 2:
-        return step_budget_ns
-    return min(step_budget_ns, max(min(working), floor_ns))
+    return ranks.matched_step_budget(natural_ns, step_budget_ns, floor_ns)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class EngineConfig:
     num_blocks, max_blocks_per_request, kv_storage, enable_prefix_caching, cache_salt,
     swa_snapshot_entries, encoder_replay, replay_tokens, decoder_replay, yoco_keep_tokens,
     host_store_bytes, block_store, block_store_fallback), ``spec`` (``SpeculationConfig``: speculation,
-    num_speculative_tokens, draft_vocab_size), ``parallel`` (``ParallelConfig``: sharding, cp_threshold). Its own:
+    num_speculative_tokens, draft_vocab_size), ``parallel`` (``ParallelConfig``: sharding, cp_threshold,
+    dp_match_floor_ns). Its own:
     seed, max_logprobs, default_thinking_mode, precompile, compilation_cache.
 
     Settings:
@@ -140,6 +141,11 @@ class EngineConfig:
             compute prefills alone, as one chunk split by position over the ``cp`` ranks
             (docs/context_parallel.md); shorter ones run as ordinary chunks. None = the preset's
             ``[parallel] cp_threshold``, or ``2 * max_num_batched_tokens`` when that is 0; 0 = never.
+        dp_match_floor_ns: with DP ranks (``sharding``) and ``chunking="cost"``, in a step where two or more
+            ranks have prompt work, every rank chunks to the predicted cost of the smallest such rank's work,
+            not below this many ns, so short prompts are not padded to a long chunk's end (layer 4 of the
+            prefill balancer, docs/cluster.md; ``engine.ranks.matched_budget_ns``). None (the default) = off:
+            every rank fills ``step_budget_ns``. No effect on one rank; needs ``chunking="cost"``.
         speculation: speculative decoding with the model's DSpark drafter (``SPECULATION_MODES``):
             "auto" (the default: "dspark" when the checkpoint has a drafter and the engine is not
             sharded, else "none"), "none", "fixed" or "dspark". Lossless: greedy outputs are those of
@@ -192,6 +198,9 @@ class EngineConfig:
             raise ValueError(f"compilation_cache must be a directory path, False, 'off' or None, "
                              f"got {self.compilation_cache!r}")
         check_bools(self, ("default_thinking_mode",))
+        if self.parallel.dp_match_floor_ns is not None and self.scheduler.chunking != "cost":
+            raise ValueError("dp_match_floor_ns: matching the DP ranks' chunks needs chunking='cost', "
+                             f"got chunking={self.scheduler.chunking!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
 

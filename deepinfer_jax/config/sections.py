@@ -153,15 +153,20 @@ class SpeculationConfig:
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Fields (``EngineConfig`` documents them): sharding (a preset name, a ``.toml`` path, a
-    ``ShardingPreset``, or None for one device), cp_threshold (context-parallel prefill above it)."""
+    ``ShardingPreset``, or None for one device), cp_threshold (context-parallel prefill above it),
+    dp_match_floor_ns (DP ranks' prompt chunks matched, not below this; None = off)."""
 
     sharding: Any = None
     cp_threshold: int | None = None
+    dp_match_floor_ns: int | None = None
 
     def __post_init__(self) -> None:
         t = self.cp_threshold
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise ValueError(f"cp_threshold must be an int >= 0 (0 = never) or None, got {self.cp_threshold!r}")
+        f = self.dp_match_floor_ns
+        if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 0):
+            raise ValueError(f"dp_match_floor_ns must be an int >= 0 (ns) or None (off), got {f!r}")
         if self.sharding is not None and not isinstance(self.sharding, (str, os.PathLike, ShardingPreset)):
             raise ValueError(f"sharding must be a preset name, a .toml path, a ShardingPreset or None, "
                              f"got {self.sharding!r}")

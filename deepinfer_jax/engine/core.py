@@ -35,9 +35,11 @@ rank ``dp_router.pick_rank`` chooses (request count and KV length) and stays the
 copies (prefix-cache uploads and windows, engine roles' slot state) go to its rank's slice. Prefix caching runs
 per rank over shared lower tiers (``engine.ranks.check_schedulers``); speculation plans every rank's verify rows
 on their own (``SpecDecoding.plan_ranks``); structured-output masks cover every rank's rows (``Forward.chunk_rows``);
-with ``chunking="cost"`` the slowest rank sets the step (``engine.ranks.merge_plans``). When the runner runs the
-expert-parallel MoE, each reconciled step's slot counts feed the EPLB loop, and a due rebalance moves the expert
-weights before the next step is dispatched (steps in flight finish on the old placement; nothing is dropped).
+with ``chunking="cost"`` the slowest rank sets the step (``engine.ranks.merge_plans``), and with
+``dp_match_floor_ns`` the ranks' chunks are matched to the smallest rank's prompt work
+(``engine.ranks.matched_budget_ns``). When the runner runs the expert-parallel MoE, each reconciled step's slot
+counts feed the EPLB loop, and a due rebalance moves the expert weights before the next step is dispatched (steps
+in flight finish on the old placement; nothing is dropped).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from deepinfer_jax.engine.cost_model import CostModel
 from deepinfer_jax.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_jax.engine.dp_router import RankLoad, pick_rank
 from deepinfer_jax.engine.outputs import RequestOutput, TokenLogprobs
-from deepinfer_jax.engine.ranks import check_schedulers, eplb_stats, make_rebalancer, merge_plans
+from deepinfer_jax.engine.ranks import check_schedulers, eplb_stats, make_rebalancer, matched_budget_ns, merge_plans
 from deepinfer_jax.engine.request import AdmitState, Request
 from deepinfer_jax.engine.sampling_params import RequestError, SamplingParams
 from deepinfer_jax.engine.scheduler import BlockUpload, Scheduler, SchedulerOutput, SlotRestore, update_from_output
@@ -76,6 +78,7 @@ class EngineStats:
     scheduled_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    matched_steps: int = 0  # steps whose DP ranks chunked to a matched budget (``dp_match_floor_ns``)
     schedule_s: float = 0.0  # scheduling + building inputs + dispatching
     reconcile_s: float = 0.0  # reading results, detokenizing, stop checks
     wait_s: float = 0.0  # blocked on the device
@@ -117,10 +120,18 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler | Sequence[Scheduler], *,
                  tokenizer: Tokenizer | None, eos_token_id: int, seed: int = 0, async_scheduling: bool = True,
                  max_logprobs: int = 5, structured: StructuredOutputs | None = None,
-                 spec: SpecDecoding | None = None) -> None:
+                 spec: SpecDecoding | None = None, dp_match_floor_ns: float | None = None) -> None:
         dp = getattr(runner, "dp_size", 1)
         self.schedulers = check_schedulers([scheduler] if isinstance(scheduler, Scheduler) else scheduler, dp)
         scheduler = self.schedulers[0]
+        if dp_match_floor_ns is not None:
+            if isinstance(dp_match_floor_ns, bool) or not isinstance(dp_match_floor_ns, (int, float)) \
+                    or not 0 <= dp_match_floor_ns < float("inf"):
+                raise ValueError(f"dp_match_floor_ns must be None or a number of ns >= 0, got {dp_match_floor_ns!r}")
+            if any(s.chunking != "cost" for s in self.schedulers):
+                raise ValueError("dp_match_floor_ns: matching the DP ranks' chunks needs chunking='cost'")
+        #: layer 4 of the prefill balancer over the DP ranks (``engine.ranks.matched_budget_ns``); None = off
+        self.dp_match_floor_ns = dp_match_floor_ns
         # over a mesh (even of one DP rank) the runner takes one chunk list per rank; one device: the list itself
         self._per_rank = getattr(runner, "mesh", None) is not None or dp > 1
         self._rank: dict[str, int] = {}  # unfinished request id -> its DP rank
@@ -341,7 +352,10 @@ class EngineCore:
         t0 = time.perf_counter()
         host0 = self.stats.reconcile_s + self.stats.wait_s
         traces0 = getattr(self.runner, "traces", 0)
-        plans = [s.schedule() for s in self.schedulers]
+        budget = matched_budget_ns(self.schedulers, self.dp_match_floor_ns)
+        if budget is not None:
+            self.stats.matched_steps += 1
+        plans = [s.schedule() if budget is None else s.schedule(budget) for s in self.schedulers]
         plan = merge_plans(plans)
         prev = self._inflight if self.async_scheduling else None
         self._inflight = None

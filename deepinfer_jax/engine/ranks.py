@@ -9,6 +9,9 @@ chunk lists to the one runner and reconciles. This module holds the pieces only 
   window store, so a prefix computed on one rank is a hit on another through the lower tiers);
 - ``merge_plans``: every rank's ``SchedulerOutput`` as one plan whose cost-model view is the slowest rank's
   (a DP step lasts as long as its slowest rank);
+- ``matched_budget_ns`` (``dp_match_floor_ns``, off by default): the step budget every rank schedules with when
+  two or more ranks have prompt work, cut to the smallest such rank's plan (``matched_step_budget``, layer 4 of
+  the prefill balancer, docs/cluster.md), so short work is not padded to a long chunk's end;
 - ``make_rebalancer`` / ``eplb_stats``: the EPLB loop when the runner runs the expert-parallel MoE.
 """
 
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from deepinfer_jax.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_jax.parallel.eplb_policy import RebalancePolicy, Rebalancer
 
-__all__ = ["RanksPlan", "check_schedulers", "eplb_stats", "make_rebalancer", "merge_plans"]
+__all__ = ["RanksPlan", "check_schedulers", "eplb_stats", "make_rebalancer", "matched_budget_ns", "matched_step_budget",
+           "merge_plans"]
 
 
 @dataclass
@@ -71,6 +75,36 @@ def merge_plans(plans: Sequence[SchedulerOutput]) -> SchedulerOutput:
         slowest = max(costed, key=lambda p: p.predicted_ns)
         plan.predicted_ns, plan.cost_shape = slowest.predicted_ns, slowest.shape()
     return plan
+
+
+def matched_step_budget(natural_ns: Sequence[float], step_budget_ns: float, floor_ns: float) -> float:
+    """The chunk budget of every rank in a lockstep step. ``natural_ns[r]``: the cost of what rank r would run
+    within ``step_budget_ns`` (0: nothing to match). When two or more ranks have work, the smallest of their costs,
+    not below ``floor_ns``: longer chunks are cut to it and their rest waits for the next step, so the short work
+    is not padded to the long chunk's end (its request finishes a step earlier) and the rest can pair with new
+    work. A rank without work pads whatever the chunks and is left out; with fewer than two working, the whole
+    budget. Unchecked; ``cluster.prefill_balancer.matched_step_budget`` checks its arguments."""
+    working = [x for x in natural_ns if x > 0]
+    if len(working) < 2:
+        return step_budget_ns
+    return min(step_budget_ns, max(min(working), floor_ns))
+
+
+def matched_budget_ns(schedulers: Sequence[Scheduler], floor_ns: float | None) -> float | None:
+    """The ``budget_ns`` every rank's ``Scheduler.schedule`` takes this step (``chunking="cost"``), or None for the
+    whole ``step_budget_ns``: None unless ``floor_ns`` is set and two or more ranks have prompt work, else the step
+    overhead plus ``matched_step_budget`` over each rank's ``planned_cost_ns`` (a rank without prompt work counts
+    as idle, so decoding ranks leave prompt chunks whole)."""
+    if floor_ns is None or len(schedulers) < 2:
+        return None
+    overhead = schedulers[0].cost_model.coef[0]
+    full = schedulers[0].step_budget_ns - overhead
+    natural = []
+    for s in schedulers:
+        cost, prompt = s.planned_cost_ns()
+        natural.append(cost if prompt else 0.0)
+    budget = matched_step_budget(natural, full, floor_ns)
+    return None if budget >= full else overhead + budget
 
 
 def make_rebalancer(runner) -> Rebalancer | None:

@@ -163,23 +163,74 @@ class Scheduler:
         """Tokens a verify row's blocks must cover: every position the device may write this step."""
         return min(r.max_tokens_on_device + self.spec_tokens, self.max_model_len)
 
-    def schedule(self) -> SchedulerOutput:
+    def _chunk_len(self, r: Request, want: int, start: int, tokens_left: int, time_left: float, first: bool) -> int:
+        """The chunk ``schedule()`` gives ``r`` computing from ``start``: at most ``want`` tokens and
+        ``tokens_left``, up to its next snapshot point, and with ``chunking="cost"`` the largest that fits
+        ``time_left``; ``first``: the step has no chunk yet (then at least one token, else no progress)."""
+        if r.spec.decoding:  # a verify row runs like a decode token, with as many drafts as the budget holds
+            return min(want, tokens_left)
+        cap = min(want, tokens_left)
+        nxt = next((p for p in r.cache.snapshot_points if p > start), 0)
+        if nxt:  # prefill stops at each snapshot point to save the window there
+            cap = min(cap, nxt - start)
+        if want == 1 or self.chunking != "cost":
+            return cap
+        q = self.cost_model.largest_q(time_left, start, cap)
+        return q if q > 0 or not first else min(cap, 1)
+
+    def planned_cost_ns(self) -> tuple[float, bool]:
+        """What ``schedule()`` would plan now with the whole ``step_budget_ns`` (``chunking="cost"``), without
+        planning it: (the predicted cost of its chunks, step overhead excluded; whether one is prompt work).
+        ``engine.ranks.matched_budget_ns`` matches the DP ranks' budgets on it. An estimate: blocks are assumed
+        to suffice (no preemption; every admission fits), and a waiting request's prefix hit is looked up as
+        admission looks it up (its effects on the request undone), so only the uncached part is costed."""
+        tokens_left = self.max_num_batched_tokens
+        time_left = self.step_budget_ns - self.cost_model.coef[0]
+        spent, prompt, chunks = 0.0, False, 0
+
+        def add(r: Request, start: int, want: int) -> int:
+            nonlocal tokens_left, time_left, spent, prompt, chunks
+            q = self._chunk_len(r, want, start, tokens_left, time_left, not chunks)
+            if q:
+                c = self.cost_model.chunk_cost(q, start)
+                tokens_left, time_left, spent, chunks = tokens_left - q, time_left - c, spent + c, chunks + 1
+                prompt = prompt or (want > 1 and not r.spec.decoding)
+            return q
+
+        for r in self.running:
+            want = self._wants(r)
+            if want:
+                add(r, r.num_computed, want)
+        slots = len(self.free_slots)
+        for r in self.waiting:
+            if not slots or tokens_left <= 0 or r.inflight or wants_cp(self, r):
+                break
+            kept = r.replay.approximate, r.cache.snapshot_points, None if self.prefix is None else self.prefix._pending
+            try:
+                hit = self._match(r)[0]
+                start = hit or r.num_computed
+                if hit and r.replay.approximate:  # bounded replay recomputes the hit's last tokens
+                    start = max(0, hit - self.prefix.replay_tokens)
+                if not add(r, start, r.num_tokens - start):
+                    break
+            finally:
+                r.replay.approximate, r.cache.snapshot_points = kept[:2]
+                if self.prefix is not None:
+                    self.prefix._pending = kept[2]
+            slots -= 1
+        return spent, prompt
+
+    def schedule(self, budget_ns: float | None = None) -> SchedulerOutput:
+        """The next step's plan; ``budget_ns`` replaces ``step_budget_ns`` for this step (``chunking="cost"``:
+        a DP step's matched budget, ``engine.ranks.matched_budget_ns``)."""
         out = SchedulerOutput()
         tokens_left = self.max_num_batched_tokens
         cost = self.chunking == "cost"
-        time_left = (self.step_budget_ns - self.cost_model.coef[0]) if cost else 0.0
+        budget = self.step_budget_ns if budget_ns is None else budget_ns
+        time_left = (budget - self.cost_model.coef[0]) if cost else 0.0
 
         def chunk_size(r: Request, want: int) -> int:
-            if r.spec.decoding:  # a verify row runs like a decode token, with as many drafts as the budget holds
-                return min(want, tokens_left)
-            cap = min(want, tokens_left)
-            nxt = next((p for p in r.cache.snapshot_points if p > r.num_computed), 0)
-            if nxt:  # prefill stops at each snapshot point to save the window there
-                cap = min(cap, nxt - r.num_computed)
-            if want == 1 or not cost:
-                return cap
-            q = self.cost_model.largest_q(time_left, r.num_computed, cap)
-            return q if q > 0 or out.chunks else min(cap, 1)  # an empty step makes no progress
+            return self._chunk_len(r, want, r.num_computed, tokens_left, time_left, not out.chunks)
 
         def take(r: Request, q: int) -> None:
             nonlocal tokens_left, time_left

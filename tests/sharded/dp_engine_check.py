@@ -130,23 +130,26 @@ def record_plans(llm) -> list[list[int]]:
     """Tokens each rank's scheduler plans per step (appended as the engine runs; one list per rank)."""
     planned = [[] for _ in llm.engine.schedulers]
     for log, sched in zip(planned, llm.engine.schedulers):
-        def schedule(plan=sched.schedule, log=log):
-            out = plan()
+        def schedule(*budget, plan=sched.schedule, log=log):
+            out = plan(*budget)
             log.append(out.num_tokens)
             return out
         sched.schedule = schedule
     return planned
 
 
-def cost_row(cfg, params, prompts, sps, want, token_plans) -> None:
+def cost_row(cfg, params, prompts, sps, want, want_again, token_plans) -> None:
     """``chunking="cost"`` on ``EPLB_PRESET``: the step-time model profiled through the DP runner (every rank runs
     the profiled chunks), then a budget of one fresh 8-token chunk so the cost model, not the token budget, sizes
     the prefill chunks (the first step's plans, before any online refit, against ``token_plans``: the token-chunked
-    run's); outputs against one device (token chunking: the paged step is chunking-invariant)."""
+    run's); outputs against one device (token chunking: the paged step is chunking-invariant). Then the same batch
+    with the ranks' prompt chunks matched (``dp_match_floor_ns=0``, given to ``LLM``, off for the first run), against
+    the one device's second batch (``want_again``)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache_dir:
         llm = LLM(config=cfg, params=params, sharding=EPLB_PRESET, **{**SETTINGS, "chunking": "cost"},
-                  cost_model_dir=cache_dir)
+                  cost_model_dir=cache_dir, dp_match_floor_ns=0)
+    floor, llm.engine.dp_match_floor_ns = llm.engine.dp_match_floor_ns, None
     model = llm.engine.cost_model
     budget = int(model.predict([(8, 0)]))
     for s in llm.engine.schedulers:
@@ -154,13 +157,15 @@ def cost_row(cfg, params, prompts, sps, want, token_plans) -> None:
     traces = llm.runner.traces
     planned = record_plans(llm)
     got = summary(llm.generate(prompts, sps, use_tqdm=False))
-    stats = llm.stats
-    print(json.dumps({"check": "cost_chunking", **compare(want, got), "steps": stats["steps"],
-                      "first_step_tokens": [p[0] for p in planned], "budget_ns": budget,
-                      "token_chunking_first_step_tokens": [p[0] for p in token_plans],
-                      "coef_ns": model.coef.tolist(), "shared_model": all(s.cost_model is model
-                                                                          for s in llm.engine.schedulers),
-                      "observed": model.num_observed, "predicted": len(llm.engine.stats.predicted_ns),
+    row = {"check": "cost_chunking", **compare(want, got), "steps": llm.stats["steps"],
+           "first_step_tokens": [p[0] for p in planned], "budget_ns": budget,
+           "token_chunking_first_step_tokens": [p[0] for p in token_plans],
+           "coef_ns": model.coef.tolist(), "shared_model": all(s.cost_model is model for s in llm.engine.schedulers),
+           "observed": model.num_observed, "predicted": len(llm.engine.stats.predicted_ns), "floor_from_llm": floor,
+           "first_matched_steps": llm.stats["matched_steps"]}
+    llm.engine.dp_match_floor_ns = floor
+    matched = summary(llm.generate(prompts, sps, use_tqdm=False))
+    print(json.dumps({**row, "matched": compare(want_again, matched), "matched_steps": llm.stats["matched_steps"],
                       "recompiled": llm.runner.traces != traces, "seconds": round(time.perf_counter() - start, 2)}),
           flush=True)
 
@@ -242,7 +247,7 @@ def main(presets: list[str]) -> None:
         print(json.dumps(row), flush=True)
     if EPLB_PRESET in presets:
         eplb_rows(cfg, params, prompts, sps, want, want_again)
-        cost_row(cfg, params, prompts, sps, want, token_plans)
+        cost_row(cfg, params, prompts, sps, want, want_again, token_plans)
         structured_rows(cfg, params, ref, prompts)
     tp = resolve_preset("cpu-dp2-ep2-tp2")
     bad = {"too_many_devices": ShardingPreset(name="dp2-ep8", axes=("dp", "ep"), shape=(2, 8), dp_size=2, ep_size=8),
