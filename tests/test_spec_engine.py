@@ -234,7 +234,7 @@ def test_plain_decoding_when_drafting_does_not_pay_and_back_when_it_does(async_s
     rids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
     done, plans = {}, []
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    engine.scheduler.schedule = lambda *budget: plans.append(schedule(*budget)) or plans[-1]
 
     def steps(n):
         for _ in range(n):

@@ -355,7 +355,7 @@ class EngineCore:
         budget = matched_budget_ns(self.schedulers, self.dp_match_floor_ns)
         if budget is not None:
             self.stats.matched_steps += 1
-        plans = [s.schedule() if budget is None else s.schedule(budget) for s in self.schedulers]
+        plans = [s.schedule(budget) for s in self.schedulers]
         plan = merge_plans(plans)
         prev = self._inflight if self.async_scheduling else None
         self._inflight = None
